@@ -1,0 +1,257 @@
+"""Frozen configs that mirror the `config.json` of each diffusers/transformers model folder.
+
+Field names are copied verbatim from diffusers (`UNet2DConditionModel`, `AutoencoderKL`) and
+transformers (`CLIPTextConfig`), misnomers included, so a folder's JSON maps onto them one to
+one. Frozen dataclasses are hashable, so a config can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that this engine cannot read or does not support."""
+
+
+def _tupled(value: Any) -> Any:
+    # JSON lists become tuples so that the config stays hashable.
+    if isinstance(value, list):
+        return tuple(_tupled(v) for v in value)
+    return value
+
+
+class _FromJson:
+    # Keys that transformers writes into every config and that carry no architecture.
+    _bookkeeping: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: _tupled(v) for k, v in raw.items() if not k.startswith("_")}
+        unknown = sorted(set(kept) - names - cls._bookkeeping)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys for {cls.__name__}: {', '.join(unknown)}")
+        config = cls(**{k: v for k, v in kept.items() if k in names})
+        config.validate(where)
+        return config
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Any:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read {path}: {err}") from err
+        return cls.from_dict(raw, where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, where: str) -> None:
+        pass
+
+
+def _require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig(_FromJson):
+    """`UNet2DConditionModel` config (unet/config.json)."""
+
+    sample_size: int | None = None  # latent side the model was trained at (64 for SD1.5 512px)
+    in_channels: int = 4
+    out_channels: int = 4
+    center_input_sample: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    down_block_types: tuple[str, ...] = (
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    )
+    mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
+    up_block_types: tuple[str, ...] = (
+        "UpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+    )
+    only_cross_attention: bool | tuple[bool, ...] = False
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int | tuple[int, ...] = 2
+    downsample_padding: int = 1
+    mid_block_scale_factor: float = 1.0
+    dropout: float = 0.0
+    act_fn: str = "silu"
+    norm_num_groups: int | None = 32
+    norm_eps: float = 1e-5
+    cross_attention_dim: int | tuple[int, ...] = 1280
+    transformer_layers_per_block: int | tuple[int, ...] = 1
+    reverse_transformer_layers_per_block: tuple[int, ...] | None = None
+    encoder_hid_dim: int | None = None
+    encoder_hid_dim_type: str | None = None
+    # Misnomer kept from diffusers: for SD1.x/2.x this is the number of heads, not their size.
+    attention_head_dim: int | tuple[int, ...] = 8
+    num_attention_heads: int | tuple[int, ...] | None = None
+    dual_cross_attention: bool = False
+    use_linear_projection: bool = False
+    class_embed_type: str | None = None
+    addition_embed_type: str | None = None
+    addition_time_embed_dim: int | None = None
+    num_class_embeds: int | None = None
+    upcast_attention: bool = False
+    resnet_time_scale_shift: str = "default"
+    resnet_skip_time_act: bool = False
+    resnet_out_scale_factor: float = 1.0
+    time_embedding_type: str = "positional"
+    time_embedding_dim: int | None = None
+    time_embedding_act_fn: str | None = None
+    timestep_post_act: str | None = None
+    time_cond_proj_dim: int | None = None
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    projection_class_embeddings_input_dim: int | None = None
+    attention_type: str = "default"
+    class_embeddings_concat: bool = False
+    mid_block_only_cross_attention: bool | None = None
+    cross_attention_norm: str | None = None
+    addition_embed_type_num_heads: int = 64
+
+    def validate(self, where: str) -> None:
+        n = len(self.block_out_channels)
+        _require(len(self.down_block_types) == n, where, "down_block_types and block_out_channels differ in length")
+        _require(len(self.up_block_types) == n, where, "up_block_types and block_out_channels differ in length")
+        known_down = {"CrossAttnDownBlock2D", "DownBlock2D"}
+        known_up = {"CrossAttnUpBlock2D", "UpBlock2D"}
+        for kind in self.down_block_types:
+            _require(kind in known_down, where, f"down block {kind!r} is not supported")
+        for kind in self.up_block_types:
+            _require(kind in known_up, where, f"up block {kind!r} is not supported")
+        _require(
+            self.mid_block_type in ("UNetMidBlock2DCrossAttn", None),
+            where,
+            f"mid_block_type {self.mid_block_type!r} is not supported",
+        )
+        _require(self.act_fn == "silu", where, f"act_fn {self.act_fn!r} is not supported")
+        _require(self.addition_embed_type in (None, "text_time"), where, "only addition_embed_type 'text_time' is supported")
+        unsupported = {
+            "class_embed_type": None,
+            "encoder_hid_dim_type": None,
+            "time_cond_proj_dim": None,
+            "dual_cross_attention": False,
+            "resnet_time_scale_shift": "default",
+            "time_embedding_type": "positional",
+            "attention_type": "default",
+            "only_cross_attention": False,
+            "resnet_skip_time_act": False,
+            "resnet_out_scale_factor": 1.0,
+            "conv_in_kernel": 3,
+            "conv_out_kernel": 3,
+            "time_embedding_act_fn": None,
+            "timestep_post_act": None,
+            "num_class_embeds": None,
+            "cross_attention_norm": None,
+            "mid_block_only_cross_attention": None,
+        }
+        for name, expected in unsupported.items():
+            value = getattr(self, name)
+            _require(value == expected, where, f"{name}={value!r} is not supported (only {expected!r})")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_out_channels)
+
+    def per_block(self, name: str) -> tuple:
+        value = getattr(self, name)
+        return value if isinstance(value, tuple) else (value,) * self.num_blocks
+
+    @property
+    def heads_per_block(self) -> tuple[int, ...]:
+        # diffusers: num_attention_heads defaults to attention_head_dim (the misnomer above).
+        return self.per_block("num_attention_heads" if self.num_attention_heads is not None else "attention_head_dim")
+
+    @property
+    def time_embed_dim(self) -> int:
+        return self.time_embedding_dim or self.block_out_channels[0] * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class VAEConfig(_FromJson):
+    """`AutoencoderKL` config (vae/config.json)."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    down_block_types: tuple[str, ...] = ("DownEncoderBlock2D",)
+    up_block_types: tuple[str, ...] = ("UpDecoderBlock2D",)
+    block_out_channels: tuple[int, ...] = (64,)
+    layers_per_block: int = 1
+    act_fn: str = "silu"
+    latent_channels: int = 4
+    norm_num_groups: int = 32
+    sample_size: int = 32
+    scaling_factor: float = 0.18215  # latents are multiplied by this before the UNet sees them
+    shift_factor: float | None = None
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+    force_upcast: bool = True  # fp16 overflows in this VAE; we never run it in fp16
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+
+    def validate(self, where: str) -> None:
+        for kind in self.down_block_types:
+            _require(kind == "DownEncoderBlock2D", where, f"down block {kind!r} is not supported")
+        for kind in self.up_block_types:
+            _require(kind == "UpDecoderBlock2D", where, f"up block {kind!r} is not supported")
+        _require(self.act_fn == "silu", where, f"act_fn {self.act_fn!r} is not supported")
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPTextConfig(_FromJson):
+    """transformers `CLIPTextConfig` (text_encoder/config.json), architecture fields only."""
+
+    _bookkeeping = frozenset(
+        {
+            "architectures",
+            "attention_dropout",
+            "bos_token_id",
+            "chunk_size_feed_forward",
+            "dropout",
+            "dtype",
+            "eos_token_id",
+            "id2label",
+            "initializer_factor",
+            "initializer_range",
+            "is_encoder_decoder",
+            "label2id",
+            "model_type",
+            "output_attentions",
+            "output_hidden_states",
+            "pad_token_id",
+            "problem_type",
+            "return_dict",
+            "torch_dtype",
+            "transformers_version",
+        }
+    )
+
+    vocab_size: int = 49408
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    projection_dim: int = 512  # only CLIPTextModelWithProjection (SDXL's second encoder) uses it
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"  # SD1.x: quick_gelu; SD2.x/OpenCLIP: gelu
+    layer_norm_eps: float = 1e-5
+
+    def validate(self, where: str) -> None:
+        _require(self.hidden_act in ("quick_gelu", "gelu"), where, f"hidden_act {self.hidden_act!r} is not supported")
+        _require(self.hidden_size % self.num_attention_heads == 0, where, "hidden_size must divide into heads")
