@@ -140,7 +140,9 @@ class UNetConfig(_FromJson):
             f"mid_block_type {self.mid_block_type!r} is not supported",
         )
         _require(self.act_fn == "silu", where, f"act_fn {self.act_fn!r} is not supported")
-        _require(self.addition_embed_type in (None, "text_time"), where, "only addition_embed_type 'text_time' is supported")
+        _require(
+            self.addition_embed_type in (None, "text_time"), where, "only addition_embed_type 'text_time' is supported"
+        )
         unsupported = {
             "class_embed_type": None,
             "encoder_hid_dim_type": None,
@@ -225,7 +227,6 @@ class CLIPTextConfig(_FromJson):
             "chunk_size_feed_forward",
             "dropout",
             "dtype",
-            "eos_token_id",
             "id2label",
             "initializer_factor",
             "initializer_range",
@@ -251,6 +252,7 @@ class CLIPTextConfig(_FromJson):
     max_position_embeddings: int = 77
     hidden_act: str = "quick_gelu"  # SD1.x: quick_gelu; SD2.x/OpenCLIP: gelu
     layer_norm_eps: float = 1e-5
+    eos_token_id: int = 49407  # legacy configs say 2, which means "the largest id" for pooling
 
     def validate(self, where: str) -> None:
         _require(self.hidden_act in ("quick_gelu", "gelu"), where, f"hidden_act {self.hidden_act!r} is not supported")

@@ -1,0 +1,121 @@
+"""The CLIP text encoder, mirroring transformers' `CLIPTextModel` and `CLIPTextModelWithProjection`.
+
+A pre-LayerNorm causal transformer over 77 token ids. SD 1.x reads the last hidden state
+(after `final_layer_norm`); SD 2.x the same from an OpenCLIP-H encoder; SDXL reads the
+penultimate hidden state of two encoders and the projected pooled output of the second.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import CLIPTextConfig
+from .layers import linear
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    if name == "quick_gelu":
+        return x * jax.nn.sigmoid(1.702 * x)
+    return jax.nn.gelu(x, approximate=False)
+
+
+class CLIPAttention(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.q_proj = linear(d, d, rngs)
+        self.k_proj = linear(d, d, rngs)
+        self.v_proj = linear(d, d, rngs)
+        self.out_proj = linear(d, d, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, n, d = x.shape
+        split = lambda t: t.reshape(b, n, self.heads, d // self.heads)  # noqa: E731 [batch, tokens, heads, head_dim]
+        out = jax.nn.dot_product_attention(
+            split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)), is_causal=True, implementation="xla"
+        )
+        return self.out_proj(out.reshape(b, n, d))
+
+
+class CLIPMLP(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        self.hidden_act = cfg.hidden_act
+        self.fc1 = linear(cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.fc2 = linear(cfg.intermediate_size, cfg.hidden_size, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(_activation(self.hidden_act, self.fc1(x)))
+
+
+class CLIPEncoderLayer(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        eps = cfg.layer_norm_eps
+        self.layer_norm1 = nnx.LayerNorm(cfg.hidden_size, epsilon=eps, rngs=rngs)
+        self.self_attn = CLIPAttention(cfg, rngs)
+        self.layer_norm2 = nnx.LayerNorm(cfg.hidden_size, epsilon=eps, rngs=rngs)
+        self.mlp = CLIPMLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEmbeddings(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        self.token_embedding = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
+        self.position_embedding = nnx.Embed(cfg.max_position_embeddings, cfg.hidden_size, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.token_embedding(ids) + self.position_embedding(jnp.arange(ids.shape[1]))[None]
+
+
+class CLIPEncoder(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        self.layers = nnx.List([CLIPEncoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+
+
+class CLIPTextTransformer(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
+        self.embeddings = CLIPEmbeddings(cfg, rngs)
+        self.encoder = CLIPEncoder(cfg, rngs)
+        self.final_layer_norm = nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, rngs=rngs)
+
+
+class TextOutput(NamedTuple):
+    last_hidden_state: jax.Array  # [batch, tokens, hidden], after final_layer_norm
+    pooled: jax.Array  # [batch, hidden] at the end-of-text token (projected when the model has a projection)
+    hidden_states: tuple[jax.Array, ...]  # embeddings, then the output of each layer (no final norm)
+
+
+class CLIPTextModel(nnx.Module):
+    """`CLIPTextModel`, or `CLIPTextModelWithProjection` when `with_projection` (SDXL's second encoder)."""
+
+    def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs, with_projection: bool = False):
+        self.config = cfg
+        self.text_model = CLIPTextTransformer(cfg, rngs)
+        self.text_projection = (
+            linear(cfg.hidden_size, cfg.projection_dim, rngs, bias=False) if with_projection else None
+        )
+
+    def __call__(self, input_ids: jax.Array) -> TextOutput:
+        tm = self.text_model
+        x = tm.embeddings(input_ids)
+        hidden_states = [x]
+        for layer in tm.encoder.layers:
+            x = layer(x)
+            hidden_states.append(x)
+        last = tm.final_layer_norm(x)
+        # transformers: the pooled token is the first end-of-text id, or (legacy configs whose
+        # eos_token_id is 2) the largest id, which is end-of-text in CLIP's vocabulary.
+        if self.config.eos_token_id == 2:
+            eos = jnp.argmax(input_ids, axis=-1)
+        else:
+            eos = jnp.argmax(input_ids == self.config.eos_token_id, axis=-1)
+        pooled = last[jnp.arange(last.shape[0]), eos]
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled)
+        return TextOutput(last, pooled, tuple(hidden_states))

@@ -1,0 +1,236 @@
+"""Building blocks shared by the UNet and the VAE, NHWC inside.
+
+Attribute names copy diffusers' module names (`resnets`, `attentions`, `to_q`, `to_out[0]`,
+`ff.net[0].proj`) so that `weights.py` maps every parameter by its path alone.
+Mirrors diffusers' `ResnetBlock2D`, `Attention`, `BasicTransformerBlock`, `Transformer2DModel`,
+`Downsample2D`, `Upsample2D`, `Timesteps` and `TimestepEmbedding`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs)
+
+
+def conv(in_ch: int, out_ch: int, kernel: int, rngs: nnx.Rngs, stride: int = 1, padding=None) -> nnx.Conv:
+    pad = kernel // 2 if padding is None else padding
+    pad = ((pad, pad), (pad, pad)) if isinstance(pad, int) else pad
+    return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=pad, rngs=rngs)
+
+
+def group_norm(channels: int, groups: int, eps: float, rngs: nnx.Rngs) -> nnx.GroupNorm:
+    return nnx.GroupNorm(channels, num_groups=groups, epsilon=eps, rngs=rngs)
+
+
+class Identity(nnx.Module):
+    """Stands where diffusers keeps a parameterless module (Dropout) so list indices line up."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x
+
+
+@functools.cache
+def _attention_implementation(backend: str) -> str | None:
+    # cuDNN's fused flash attention on GPU; XLA's reference kernel elsewhere.
+    return "cudnn" if backend == "gpu" else "xla"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
+    """Scaled dot-product attention over [batch, tokens, heads * head_dim] inputs."""
+    b, n, inner = q.shape
+    head_dim = inner // heads
+    q = q.reshape(b, n, heads, head_dim)  # [batch, tokens, heads, head_dim]
+    k = k.reshape(b, k.shape[1], heads, head_dim)
+    v = v.reshape(b, v.shape[1], heads, head_dim)
+    impl = _attention_implementation(jax.default_backend())
+    if impl == "cudnn" and (q.dtype not in (jnp.bfloat16, jnp.float16) or head_dim % 8):
+        impl = "xla"
+    try:
+        out = jax.nn.dot_product_attention(q, k, v, implementation=impl)
+    except (ValueError, NotImplementedError):  # a shape cuDNN does not take
+        out = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    return out.reshape(b, n, inner)
+
+
+class Attention(nnx.Module):
+    """diffusers `Attention`: self-attention when `cross_dim` is None, else cross-attention."""
+
+    def __init__(
+        self,
+        query_dim: int,
+        heads: int,
+        dim_head: int,
+        rngs: nnx.Rngs,
+        cross_dim: int | None = None,
+        bias: bool = False,
+    ):
+        inner = heads * dim_head
+        self.heads = heads
+        self.to_q = linear(query_dim, inner, rngs, bias)
+        self.to_k = linear(cross_dim or query_dim, inner, rngs, bias)
+        self.to_v = linear(cross_dim or query_dim, inner, rngs, bias)
+        self.to_out = nnx.List([linear(inner, query_dim, rngs)])
+
+    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
+        context = x if context is None else context
+        out = attention(self.to_q(x), self.to_k(context), self.to_v(context), self.heads)
+        return self.to_out[0](out)
+
+
+class GEGLU(nnx.Module):
+    def __init__(self, dim: int, inner: int, rngs: nnx.Rngs):
+        self.proj = linear(dim, inner * 2, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden, gate = jnp.split(self.proj(x), 2, axis=-1)
+        return hidden * jax.nn.gelu(gate, approximate=False)
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs, mult: int = 4):
+        # net[1] is Dropout in diffusers.
+        self.net = nnx.List([GEGLU(dim, dim * mult, rngs), Identity(), linear(dim * mult, dim, rngs)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.net[2](self.net[0](x))
+
+
+class BasicTransformerBlock(nnx.Module):
+    """Self-attention, cross-attention to the text, GEGLU feed-forward; pre-LayerNorm each."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int, cross_dim: int, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.attn1 = Attention(dim, heads, dim_head, rngs)
+        self.norm2 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.attn2 = Attention(dim, heads, dim_head, rngs, cross_dim=cross_dim)
+        self.norm3 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.ff = FeedForward(dim, rngs)
+
+    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
+        x = x + self.attn1(self.norm1(x))
+        x = x + self.attn2(self.norm2(x), context)
+        return x + self.ff(self.norm3(x))
+
+
+class Transformer2DModel(nnx.Module):
+    """Spatial transformer: GroupNorm, project in (1x1 conv or linear), blocks, project out, residual."""
+
+    def __init__(
+        self,
+        channels: int,
+        heads: int,
+        cross_dim: int,
+        depth: int,
+        use_linear_projection: bool,
+        groups: int,
+        rngs: nnx.Rngs,
+    ):
+        self.use_linear_projection = use_linear_projection
+        self.norm = group_norm(channels, groups, 1e-6, rngs)
+        make_proj = (
+            (lambda: linear(channels, channels, rngs))
+            if use_linear_projection
+            else (lambda: conv(channels, channels, 1, rngs))
+        )
+        self.proj_in = make_proj()
+        self.transformer_blocks = nnx.List(
+            [BasicTransformerBlock(channels, heads, channels // heads, cross_dim, rngs) for _ in range(depth)]
+        )
+        self.proj_out = make_proj()
+
+    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
+        b, h, w, c = x.shape
+        residual = x
+        x = self.norm(x)
+        if self.use_linear_projection:
+            x = self.proj_in(x.reshape(b, h * w, c))  # [batch, tokens, channels]
+        else:
+            x = self.proj_in(x).reshape(b, h * w, c)  # [batch, tokens, channels]
+        for block in self.transformer_blocks:
+            x = block(x, context)
+        if self.use_linear_projection:
+            x = self.proj_out(x).reshape(b, h, w, c)
+        else:
+            x = self.proj_out(x.reshape(b, h, w, c))
+        return x + residual
+
+
+class ResnetBlock2D(nnx.Module):
+    """GroupNorm-SiLU-conv twice, with the time embedding added between; 1x1 shortcut on a width change."""
+
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        temb_ch: int | None,
+        groups: int,
+        eps: float,
+        rngs: nnx.Rngs,
+        output_scale_factor: float = 1.0,
+    ):
+        self.norm1 = group_norm(in_ch, groups, eps, rngs)
+        self.conv1 = conv(in_ch, out_ch, 3, rngs)
+        self.time_emb_proj = linear(temb_ch, out_ch, rngs) if temb_ch else None
+        self.norm2 = group_norm(out_ch, groups, eps, rngs)
+        self.conv2 = conv(out_ch, out_ch, 3, rngs)
+        self.conv_shortcut = conv(in_ch, out_ch, 1, rngs) if in_ch != out_ch else None
+        self.output_scale_factor = output_scale_factor
+
+    def __call__(self, x: jax.Array, temb: jax.Array | None = None) -> jax.Array:
+        h = self.conv1(jax.nn.silu(self.norm1(x)))
+        if self.time_emb_proj is not None:
+            h = h + self.time_emb_proj(jax.nn.silu(temb))[:, None, None, :]
+        h = self.conv2(jax.nn.silu(self.norm2(h)))
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        return (x + h) / self.output_scale_factor
+
+
+class Downsample2D(nnx.Module):
+    def __init__(self, channels: int, padding: int, rngs: nnx.Rngs):
+        # padding 0 is the VAE encoder's: diffusers pads right and bottom by one before the conv.
+        self.padding = padding
+        self.conv = conv(channels, channels, 3, rngs, stride=2, padding=padding if padding else ((0, 1), (0, 1)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.conv(x)
+
+
+class Upsample2D(nnx.Module):
+    def __init__(self, channels: int, rngs: nnx.Rngs):
+        self.conv = conv(channels, channels, 3, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # nearest-neighbour 2x
+        return self.conv(x)
+
+
+def timestep_embedding(
+    t: jax.Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float = 10000.0
+) -> jax.Array:
+    """Sinusoidal embedding of (possibly fractional) timesteps: [batch] -> [batch, dim], in f32."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift)
+    args = t.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class TimestepEmbedding(nnx.Module):
+    def __init__(self, in_ch: int, dim: int, rngs: nnx.Rngs):
+        self.linear_1 = linear(in_ch, dim, rngs)
+        self.linear_2 = linear(dim, dim, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))

@@ -1,0 +1,197 @@
+"""The denoising UNet, mirroring diffusers' `UNet2DConditionModel` (SD 1.x, 2.x and XL layouts).
+
+Input and output are NHWC latents; `encoder_hidden_states` is the text encoder's
+[batch, tokens, cross_attention_dim]. SDXL's `text_time` conditioning adds
+`add_embedding(concat(pooled_text, sinusoid(time_ids)))` to the time embedding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import UNetConfig
+from .layers import (
+    Downsample2D,
+    ResnetBlock2D,
+    TimestepEmbedding,
+    Transformer2DModel,
+    Upsample2D,
+    conv,
+    group_norm,
+    timestep_embedding,
+)
+
+
+class DownBlock(nnx.Module):
+    """`DownBlock2D` (resnets only) or `CrossAttnDownBlock2D` (a transformer after each resnet)."""
+
+    def __init__(self, cfg: UNetConfig, index: int, in_ch: int, rngs: nnx.Rngs):
+        out_ch = cfg.block_out_channels[index]
+        layers = cfg.per_block("layers_per_block")[index]
+        groups, eps, temb = cfg.norm_num_groups, cfg.norm_eps, cfg.time_embed_dim
+        self.resnets = nnx.List(
+            [ResnetBlock2D(in_ch if j == 0 else out_ch, out_ch, temb, groups, eps, rngs) for j in range(layers)]
+        )
+        has_attention = cfg.down_block_types[index] == "CrossAttnDownBlock2D"
+        heads, cross = cfg.heads_per_block[index], cfg.per_block("cross_attention_dim")[index]
+        depth = cfg.per_block("transformer_layers_per_block")[index]
+        self.attentions = (
+            nnx.List(
+                [
+                    Transformer2DModel(out_ch, heads, cross, depth, cfg.use_linear_projection, groups, rngs)
+                    for _ in range(layers)
+                ]
+            )
+            if has_attention
+            else None
+        )
+        is_final = index == cfg.num_blocks - 1
+        self.downsamplers = None if is_final else nnx.List([Downsample2D(out_ch, cfg.downsample_padding, rngs)])
+
+    def __call__(self, x: jax.Array, temb: jax.Array, context: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        skips = []
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+            skips.append(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+            skips.append(x)
+        return x, skips
+
+
+class UpBlock(nnx.Module):
+    """`UpBlock2D` or `CrossAttnUpBlock2D`: each resnet first concatenates one skip connection."""
+
+    def __init__(self, cfg: UNetConfig, index: int, prev_ch: int, rngs: nnx.Rngs):
+        rev = lambda name: tuple(reversed(cfg.per_block(name)))  # noqa: E731
+        channels = tuple(reversed(cfg.block_out_channels))
+        out_ch = channels[index]
+        in_ch = channels[min(index + 1, cfg.num_blocks - 1)]
+        layers = rev("layers_per_block")[index] + 1
+        depth = (cfg.reverse_transformer_layers_per_block or rev("transformer_layers_per_block"))[index]
+        groups, eps, temb = cfg.norm_num_groups, cfg.norm_eps, cfg.time_embed_dim
+        resnets = []
+        for j in range(layers):
+            skip_ch = in_ch if j == layers - 1 else out_ch
+            res_in = prev_ch if j == 0 else out_ch
+            resnets.append(ResnetBlock2D(res_in + skip_ch, out_ch, temb, groups, eps, rngs))
+        self.resnets = nnx.List(resnets)
+        has_attention = cfg.up_block_types[index] == "CrossAttnUpBlock2D"
+        heads, cross = tuple(reversed(cfg.heads_per_block))[index], rev("cross_attention_dim")[index]
+        self.attentions = (
+            nnx.List(
+                [
+                    Transformer2DModel(out_ch, heads, cross, depth, cfg.use_linear_projection, groups, rngs)
+                    for _ in range(layers)
+                ]
+            )
+            if has_attention
+            else None
+        )
+        is_final = index == cfg.num_blocks - 1
+        self.upsamplers = None if is_final else nnx.List([Upsample2D(out_ch, rngs)])
+
+    def __call__(self, x: jax.Array, skips: list[jax.Array], temb: jax.Array, context: jax.Array) -> jax.Array:
+        for j, resnet in enumerate(self.resnets):
+            x = jnp.concatenate([x, skips.pop()], axis=-1)  # [batch, h, w, channels + skip_channels]
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+class MidBlock(nnx.Module):
+    """`UNetMidBlock2DCrossAttn`: resnet, then (transformer, resnet) pairs."""
+
+    def __init__(self, cfg: UNetConfig, rngs: nnx.Rngs):
+        ch = cfg.block_out_channels[-1]
+        groups, eps, temb = cfg.norm_num_groups, cfg.norm_eps, cfg.time_embed_dim
+        scale = cfg.mid_block_scale_factor
+        self.resnets = nnx.List([ResnetBlock2D(ch, ch, temb, groups, eps, rngs, scale) for _ in range(2)])
+        self.attentions = nnx.List(
+            [
+                Transformer2DModel(
+                    ch,
+                    cfg.heads_per_block[-1],
+                    cfg.per_block("cross_attention_dim")[-1],
+                    cfg.per_block("transformer_layers_per_block")[-1],
+                    cfg.use_linear_projection,
+                    groups,
+                    rngs,
+                )
+            ]
+        )
+
+    def __call__(self, x: jax.Array, temb: jax.Array, context: jax.Array) -> jax.Array:
+        x = self.resnets[0](x, temb)
+        return self.resnets[1](self.attentions[0](x, context), temb)
+
+
+class UNet2DConditionModel(nnx.Module):
+    def __init__(self, cfg: UNetConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        ch0 = cfg.block_out_channels[0]
+        self.conv_in = conv(cfg.in_channels, ch0, 3, rngs)
+        self.time_embedding = TimestepEmbedding(ch0, cfg.time_embed_dim, rngs)
+        self.add_embedding = (
+            TimestepEmbedding(cfg.projection_class_embeddings_input_dim, cfg.time_embed_dim, rngs)
+            if cfg.addition_embed_type == "text_time"
+            else None
+        )
+        blocks, ch = [], ch0
+        for i in range(cfg.num_blocks):
+            blocks.append(DownBlock(cfg, i, ch, rngs))
+            ch = cfg.block_out_channels[i]
+        self.down_blocks = nnx.List(blocks)
+        self.mid_block = MidBlock(cfg, rngs) if cfg.mid_block_type else None
+        blocks, prev = [], cfg.block_out_channels[-1]
+        for i in range(cfg.num_blocks):
+            blocks.append(UpBlock(cfg, i, prev, rngs))
+            prev = tuple(reversed(cfg.block_out_channels))[i]
+        self.up_blocks = nnx.List(blocks)
+        self.conv_norm_out = group_norm(ch0, cfg.norm_num_groups, cfg.norm_eps, rngs)
+        self.conv_out = conv(ch0, cfg.out_channels, 3, rngs)
+
+    def __call__(
+        self,
+        sample: jax.Array,
+        timesteps: jax.Array,
+        encoder_hidden_states: jax.Array,
+        text_embeds: jax.Array | None = None,
+        time_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels]."""
+        cfg = self.config
+        dtype = self.conv_in.kernel.dtype
+        timesteps = jnp.broadcast_to(timesteps, (sample.shape[0],))
+        t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = self.time_embedding(t_emb.astype(dtype))
+        if self.add_embedding is not None:
+            b = time_ids.shape[0]
+            time_emb = timestep_embedding(
+                time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos, cfg.freq_shift
+            )
+            time_emb = time_emb.reshape(b, -1)  # [batch, time_ids * addition_time_embed_dim]
+            added = jnp.concatenate([text_embeds.astype(jnp.float32), time_emb], axis=-1)
+            temb = temb + self.add_embedding(added.astype(dtype))
+        context = encoder_hidden_states.astype(dtype)
+        x = sample.astype(dtype)
+        if cfg.center_input_sample:
+            x = 2 * x - 1.0
+        x = self.conv_in(x)
+        skips = [x]
+        for block in self.down_blocks:
+            x, block_skips = block(x, temb, context)
+            skips.extend(block_skips)
+        if self.mid_block is not None:
+            x = self.mid_block(x, temb, context)
+        for block in self.up_blocks:
+            x = block(x, skips, temb, context)
+        x = self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+        return x

@@ -1,0 +1,136 @@
+"""Each model equals its PyTorch twin on tiny random configs: same state dict, f32, rel. error < 1e-4."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL as TorchVAE
+from diffusers import UNet2DConditionModel as TorchUNet
+from flax import nnx
+from reference import (
+    CLIP_COMMON,
+    CLIP_LAYOUTS,
+    UNET_LAYOUTS,
+    VAE_LAYOUT,
+    nchw,
+    nhwc,
+    randomize,
+    rel_error,
+    state_dict_numpy,
+)
+from transformers import CLIPTextConfig as TorchCLIPConfig
+from transformers import CLIPTextModel as TorchCLIP
+from transformers import CLIPTextModelWithProjection as TorchCLIPProj
+
+from engine.clip import CLIPTextModel
+from engine.config import CLIPTextConfig, UNetConfig, VAEConfig
+from engine.unet import UNet2DConditionModel
+from engine.vae import AutoencoderKL
+from engine.weights import WeightsError, convert, export, load_model, read_safetensors
+
+TOL = 1e-4
+
+
+def ours_from_torch(make, torch_model):
+    return load_model(make, state_dict_numpy(torch_model))
+
+
+@pytest.mark.parametrize("layout", sorted(UNET_LAYOUTS))
+def test_unet_matches_diffusers(layout):
+    ref = randomize(TorchUNet(**UNET_LAYOUTS[layout]))
+    cfg = UNetConfig.from_dict(dict(ref.config))
+    ours = ours_from_torch(lambda: UNet2DConditionModel(cfg, nnx.Rngs(0)), ref)
+    rng = np.random.default_rng(0)
+    sample = rng.standard_normal((2, 16, 24, 4)).astype(np.float32)  # non-square on purpose
+    t = np.array([999.0, 37.5], np.float32)
+    context = rng.standard_normal((2, 7, cfg.per_block("cross_attention_dim")[0])).astype(np.float32)
+    extra, torch_extra = {}, {}
+    if cfg.addition_embed_type == "text_time":
+        text_embeds = rng.standard_normal((2, 32)).astype(np.float32)
+        time_ids = np.array([[64, 96, 0, 0, 64, 96], [32, 32, 8, 4, 64, 64]], np.float32)
+        extra = dict(text_embeds=text_embeds, time_ids=time_ids)
+        torch_extra = dict(added_cond_kwargs={k: torch.from_numpy(v) for k, v in extra.items()})
+    with torch.no_grad():
+        want = ref(nchw(sample), torch.from_numpy(t), torch.from_numpy(context), **torch_extra).sample
+    got = ours(sample, t, context, **extra)
+    assert rel_error(got, nhwc(want)) < TOL
+
+
+def test_vae_matches_diffusers():
+    ref = randomize(TorchVAE(**VAE_LAYOUT))
+    cfg = VAEConfig.from_dict(dict(ref.config))
+    ours = ours_from_torch(lambda: AutoencoderKL(cfg, nnx.Rngs(0)), ref)
+    rng = np.random.default_rng(1)
+    image = rng.uniform(-1, 1, (2, 32, 24, 3)).astype(np.float32)
+    latents = rng.standard_normal((2, 4, 6, 4)).astype(np.float32)
+    with torch.no_grad():
+        want_moments = ref.quant_conv(ref.encoder(nchw(image)))
+        want_image = ref.decode(nchw(latents)).sample
+    mean, logvar = ours.encode(image)
+    want_mean, want_logvar = np.split(nhwc(want_moments), 2, axis=-1)
+    assert rel_error(mean, want_mean) < TOL
+    assert rel_error(logvar, np.clip(want_logvar, -30, 20)) < TOL
+    assert rel_error(ours.decode(latents), nhwc(want_image)) < TOL
+
+
+@pytest.mark.parametrize("layout", sorted(CLIP_LAYOUTS))
+@pytest.mark.parametrize("with_projection", [False, True])
+def test_clip_matches_transformers(layout, with_projection, tmp_path):
+    tcfg = TorchCLIPConfig(**CLIP_LAYOUTS[layout], **CLIP_COMMON)
+    ref = randomize((TorchCLIPProj if with_projection else TorchCLIP)(tcfg))
+    ref.save_pretrained(tmp_path)  # the file layout (text_model.* keys) is what we read
+    cfg = CLIPTextConfig.from_json(tmp_path / "config.json")
+    tensors = read_safetensors([tmp_path / "model.safetensors"])
+    ours = load_model(lambda: CLIPTextModel(cfg, nnx.Rngs(0), with_projection), tensors)
+    ids = np.random.default_rng(2).integers(0, 998, (2, 77))
+    ids[0, 5:], ids[1, 30:] = 999, 999  # end-of-text, then padding with the same id
+    with torch.no_grad():
+        want = ref(torch.from_numpy(ids), output_hidden_states=True)
+    got = ours(ids)
+    assert rel_error(got.last_hidden_state, want.last_hidden_state) < TOL
+    assert rel_error(got.hidden_states[-2], want.hidden_states[-2]) < TOL
+    pooled = want.text_embeds if with_projection else want.pooler_output
+    assert rel_error(got.pooled, pooled) < TOL
+
+
+def test_export_is_the_inverse_of_convert():
+    ref = randomize(TorchVAE(**VAE_LAYOUT))
+    cfg = VAEConfig.from_dict(dict(ref.config))
+    tensors = state_dict_numpy(ref)
+    ours = load_model(lambda: AutoencoderKL(cfg, nnx.Rngs(0)), tensors)
+    exported = export(ours)
+    assert exported.keys() == tensors.keys()
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(exported[name], value)
+
+
+def test_weights_that_do_not_fit_are_all_listed():
+    ref = randomize(TorchVAE(**VAE_LAYOUT))
+    cfg = VAEConfig.from_dict(dict(ref.config))
+    tensors = state_dict_numpy(ref)
+    del tensors["decoder.conv_in.bias"]
+    tensors["decoder.extra.weight"] = np.zeros(3, np.float32)
+    tensors["encoder.conv_in.weight"] = np.zeros((16, 3, 5, 5), np.float32)
+    with pytest.raises(WeightsError) as err:
+        convert(lambda: AutoencoderKL(cfg, nnx.Rngs(0)), tensors, where="vae")
+    message = str(err.value)
+    assert "missing (1): decoder.conv_in.bias" in message
+    assert "unexpected (1): decoder.extra.weight" in message
+    assert "mis-shaped (1): encoder.conv_in.weight" in message
+
+
+def test_legacy_vae_attention_names_load():
+    ref = randomize(TorchVAE(**VAE_LAYOUT))
+    cfg = VAEConfig.from_dict(dict(ref.config))
+    tensors = state_dict_numpy(ref)
+    legacy = {}
+    for name, value in tensors.items():
+        for new, old in (("to_q", "query"), ("to_k", "key"), ("to_v", "value"), ("to_out.0", "proj_attn")):
+            name = name.replace(f"attentions.0.{new}.", f"attentions.0.{old}.")
+        legacy[name] = value[:, :, None, None] if name.endswith("query.weight") else value  # some are 1x1 convs
+    ours = load_model(lambda: AutoencoderKL(cfg, nnx.Rngs(0)), legacy)
+    np.testing.assert_array_equal(
+        export(ours)["decoder.mid_block.attentions.0.to_q.weight"],
+        tensors["decoder.mid_block.attentions.0.to_q.weight"],
+    )
