@@ -1,0 +1,91 @@
+"""Runs the real `app.py` in a child process on a free 127.0.0.1 port, for end-to-end tests.
+
+One server per test session is shared by the API and browser tests (`shared_app`), since
+loading and warming up the engine is the slow part. Everything stays on this machine: the
+server binds 127.0.0.1, the Hub is offline, and the compile and Gradio caches live under the
+session's temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 300  # import JAX, load the embedded model; warm-up goes on in the background
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppServer:
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log_path = workdir / f"app-{self.port}.log"
+        environment = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_SD_CACHE_DIR": str(workdir / "xla-cache"),
+            "GRADIO_TEMP_DIR": str(workdir / "gradio"),
+            "GRADIO_ANALYTICS_ENABLED": "False",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        for name in ("XLA_FLAGS", "MODEL_ID", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
+            environment.pop(name, None)  # the server's setup comes from this helper only
+        environment.update(env or {})
+        command = [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._log = open(self.log_path, "w")  # closed in stop()
+        self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_until_up(self, timeout: float = START_TIMEOUT_S) -> AppServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"app.py exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"app.py did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=20)
+        self._log.close()
+
+
+def shared_app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AppServer:
+    """The session's one server on the embedded model, started on first use."""
+    config = request.config
+    server = getattr(config, "_jax_sd_app", None)
+    if server is None:
+        server = AppServer(tmp_path_factory.mktemp("app")).wait_until_up()
+        config._jax_sd_app = server
+        config.add_cleanup(server.stop)
+    elif server.process.poll() is not None:
+        pytest.fail(f"the shared app server died:\n{server.log_tail()}")
+    return server

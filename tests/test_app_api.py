@@ -1,0 +1,250 @@
+"""The web demo through its API.
+
+Fast tests check the page's input handling against a stand-in engine; the end-to-end tests
+start the real `app.py` on the embedded model and call it through `gradio_client`, as a
+user's script would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pytest
+from PIL import Image
+
+import app
+from tests._app_server import shared_app
+
+# ---- fast: the page's logic over a stand-in engine ----------------------------------------
+
+
+@dataclasses.dataclass
+class FakeResult:
+    images: list
+    seeds: list
+    devices: list
+    timings: dict
+    compiled: bool
+    warnings: list
+
+
+class FakeEngine:
+    defaults = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "ddim"}
+    schedulers = ("pndm", "ddim")
+    family = "sd"
+    model_name = "fake"
+    devices = ["cpu:0", "cpu:1"]
+    max_steps = 50
+    example_prompts = ["a red circle on a blue background", "Armchair in the shape of an avocado"]
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+        self.calls: list[dict[str, Any]] = []
+
+    def generate(self, prompt, progress=None, **kwargs):
+        self.calls.append({"prompt": prompt, **kwargs})
+        if self.error is not None:
+            raise self.error
+        steps = kwargs["num_inference_steps"]
+        for step in range(1, steps + 1):
+            progress(step, steps)
+        n = kwargs["num_images"]
+        return FakeResult(
+            images=[Image.new("RGB", (kwargs["width"], kwargs["height"])) for _ in range(n)],
+            seeds=[(kwargs["seed"] + k) % 2**32 for k in range(n)],
+            devices=[self.devices[k % len(self.devices)] for k in range(n)],
+            timings={"compile_s": 0.0, "run_s": 0.1, "total_s": 0.1},
+            compiled=False,
+            warnings=["prompt truncated to 77 tokens"],
+        )
+
+
+class RecordingProgress:
+    def __init__(self):
+        self.updates = []
+
+    def __call__(self, value, desc=None, unit="steps"):
+        self.updates.append(value)
+
+
+def page_values(**changes: Any) -> dict[str, Any]:
+    values = {
+        "prompt": "a cat",
+        "negative_prompt": "",
+        "seed": 7,
+        "random_seed": False,
+        "steps": 4,
+        "guidance_scale": 7.5,
+        "scheduler": "ddim",
+        "width": 64,
+        "height": 64,
+        "images_per_device": 1,
+    }
+    values.update(changes)
+    return values
+
+
+def test_parse_request_turns_page_values_into_engine_arguments():
+    request = app.parse_request(FakeEngine(), **page_values(seed="12", steps=4.0, images_per_device=2))
+    assert request == {
+        "prompt": "a cat",
+        "negative_prompt": "",
+        "seed": 12,
+        "num_inference_steps": 4,
+        "guidance_scale": 7.5,
+        "scheduler": "ddim",
+        "width": 64,
+        "height": 64,
+        "num_images": 4,  # two devices, two each
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prompt": "  "}, "Type a prompt"),
+        ({"prompt": 5}, "Prompt must be text"),
+        ({"seed": "abc"}, "Seed must be a whole number"),
+        ({"seed": 1.5}, "Seed must be a whole number"),
+        ({"seed": 2**32}, "Seed must be from 0 to 4294967295"),
+        ({"steps": 0}, "Steps must be from 1 to 50"),
+        ({"steps": 500}, "Steps must be from 1 to 50"),
+        ({"steps": "many"}, "Steps must be a whole number"),
+        ({"guidance_scale": float("nan")}, "Guidance scale must be from"),
+        ({"width": 100}, "Width must be a multiple of 8"),
+        ({"height": 32}, "Height must be from 64"),
+        ({"scheduler": "magic"}, "Unknown scheduler 'magic'"),
+        ({"images_per_device": 0}, "Images per device must be from 1"),
+    ],
+)
+def test_parse_request_refuses_bad_values_with_a_clear_message(change, message):
+    with pytest.raises(gr.Error, match=message):
+        app.parse_request(FakeEngine(), **page_values(**change))
+
+
+def test_random_seed_is_drawn_and_reported():
+    pipe = FakeEngine()
+    gallery, seed, info = app.run_generation(pipe, None, page_values(random_seed=True), RecordingProgress())
+    assert 0 <= seed < 2**32
+    assert pipe.calls[0]["seed"] == seed
+    assert f"seed {seed} (random)" in info
+    assert gallery[0][1] == f"cpu:0 · seed {seed}"
+
+
+def test_gallery_captions_name_device_and_seed_and_progress_moves():
+    progress = RecordingProgress()
+    gallery, seed, info = app.run_generation(FakeEngine(), None, page_values(images_per_device=2), progress)
+    assert [caption for _, caption in gallery] == [
+        "cpu:0 · seed 7",
+        "cpu:1 · seed 8",
+        "cpu:0 · seed 9",
+        "cpu:1 · seed 10",
+    ]
+    assert seed == 7
+    assert progress.updates == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert "prompt truncated" in info
+
+
+def test_engine_refusal_and_failure_become_messages():
+    from engine import InvalidRequest
+
+    with pytest.raises(gr.Error) as refused:
+        app.run_generation(FakeEngine(InvalidRequest("height 72 is not a multiple of 16")), None, page_values(), None)
+    assert refused.value.message == "height 72 is not a multiple of 16"
+    with pytest.raises(gr.Error, match="Generation failed: RuntimeError: out of memory"):
+        app.run_generation(FakeEngine(RuntimeError("out of memory")), None, page_values(), None)
+
+
+def test_engine_examples_come_first_without_repeats():
+    prompts = app.example_prompts(FakeEngine())
+    assert prompts[:2] == FakeEngine.example_prompts
+    assert len(prompts) == len(set(prompts)) == 9
+    assert set(app.EXAMPLE_PROMPTS) <= set(prompts)
+    assert len(app.EXAMPLE_PROMPTS) == 8
+
+
+def test_demo_exposes_a_stable_api_name():
+    demo = app.create_demo(FakeEngine())
+    names = [fn.api_name for fn in demo.fns.values() if fn.api_visibility == "public"]
+    assert names == [app.API_NAME]
+
+
+# ---- end to end: the real app on the embedded model, through gradio_client ---------------
+
+
+@pytest.fixture(scope="module")
+def client(request, tmp_path_factory):
+    from gradio_client import Client
+
+    server = shared_app(request, tmp_path_factory)
+    yield Client(server.url, verbose=False, download_files=str(tmp_path_factory.mktemp("downloads")))
+
+
+def call(client, **changes: Any):
+    """One request with the embedded model's defaults, as `gradio_client` users write it."""
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in api["parameters"]}
+    values = {**defaults, "prompt": "a red circle on a blue background", "random_seed": False, **changes}
+    return client.predict(**values, api_name="/generate")
+
+
+def test_api_returns_as_many_images_as_asked_with_their_seeds(client):
+    gallery, seed, info = call(client, seed=1234, images_per_device=2)
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in api["parameters"]}
+    assert seed == 1234
+    assert len(gallery) % 2 == 0 and gallery, gallery
+    devices = len(gallery) // 2
+    expected_seeds = [1234 + k for k in range(2 * devices)]
+    assert [item["caption"].split(" · seed ")[1] for item in gallery] == [str(s) for s in expected_seeds]
+    for item in gallery:
+        with Image.open(item["image"]) as image:
+            assert image.size == (defaults["width"], defaults["height"])
+            assert image.getextrema() != ((0, 0), (0, 0), (0, 0))  # not a blank picture
+    assert f"{2 * devices} images" in info
+
+
+def test_random_seed_reports_the_seed_it_used(client):
+    gallery, seed, info = call(client, random_seed=True)
+    assert 0 <= seed < 2**32
+    assert gallery[0]["caption"].endswith(f"seed {seed}")
+    assert f"seed {seed} (random)" in info
+
+
+def test_changing_steps_guidance_seed_or_prompt_does_not_recompile(client):
+    call(client, seed=1)  # the default shapes: compiled by the warm-up, at worst here
+    _, _, info = call(client, prompt="a green square", seed=99, steps=3, guidance_scale=2.0)
+    assert "compiled" not in info, info
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"steps": 100_000}, "Steps must be from 1 to"),
+        ({"seed": "not-a-number"}, "Seed must be a whole number"),
+        ({"width": 100, "height": 100}, "Width must be a multiple of 8"),
+        ({"width": 72, "height": 72}, None),  # a multiple of 8 the engine itself may refuse
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_next_request_works(client, change, message):
+    from gradio_client.exceptions import AppError
+
+    try:
+        call(client, **change)
+    except AppError as e:
+        if message is not None:
+            assert message in str(e)
+        assert "Generation failed" not in str(e), "a size the model cannot take is bad input, not a failure"
+    else:
+        assert message is None, f"{change} was accepted"
+    gallery, _, _ = call(client, seed=5)
+    assert gallery
+
+
+def test_compile_cache_is_written_to_disk(client, request, tmp_path_factory):
+    call(client, seed=2)
+    cache = Path(shared_app(request, tmp_path_factory).log_path).parent / "xla-cache"
+    assert cache.is_dir() and any(cache.iterdir()), "the persistent compilation cache stayed empty"

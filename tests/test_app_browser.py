@@ -1,0 +1,83 @@
+"""The web demo in a real browser: headless Chromium types a prompt and gets pictures back.
+
+Uses the system's Chromium (Debian's `chromium` package); no browser is downloaded. Set
+JAX_SD_UPDATE_SCREENSHOT=1 to refresh the README's docs/screenshot.png from this run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from tests._app_server import ROOT, shared_app
+
+CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"),
+]
+
+
+@pytest.fixture(scope="module")
+def page(request, tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    server = shared_app(request, tmp_path_factory)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+
+        # The page must work offline: anything but our own server is refused.
+        def local_only(route):
+            if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
+                route.continue_()
+            else:
+                route.abort()
+
+        page.route("**/*", local_only)
+        page.set_default_timeout(60_000)
+        page.goto(server.url)
+        yield page
+        browser.close()
+
+
+def test_prompt_to_gallery(page, tmp_path_factory):
+    from playwright.sync_api import expect
+
+    # The warm-up compiles before the first request is served; the status line says when it is done.
+    expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
+    page.get_by_label("Prompt", exact=True).fill("a red circle on a blue background")
+    page.locator("#generate").click()
+
+    images = page.locator("#gallery img")
+    expect(images.first).to_be_visible(timeout=300_000)
+    expect(page.locator("#info")).to_contain_text("seed", timeout=60_000)
+    count = images.count()
+    assert count >= 1
+    for k in range(count):
+        width = images.nth(k).evaluate("img => img.complete ? img.naturalWidth : 0")
+        assert width > 0, f"image {k} did not load"
+    captions = page.locator("#gallery").inner_text()
+    assert "· seed " in captions
+
+    shot = tmp_path_factory.mktemp("browser") / "screenshot.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("JAX_SD_UPDATE_SCREENSHOT"):
+        (ROOT / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(shot, ROOT / "docs" / "screenshot.png")
+
+
+def test_example_fills_the_prompt(page):
+    examples = page.get_by_text("Armchair in the shape of an avocado", exact=True)
+    examples.first.click()
+    expect_value = page.get_by_label("Prompt", exact=True)
+    from playwright.sync_api import expect
+
+    expect(expect_value).to_have_value("Armchair in the shape of an avocado")
