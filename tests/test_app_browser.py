@@ -15,12 +15,17 @@ import pytest
 
 from tests._app_server import ROOT, shared_app
 
-CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("CHROMIUM_PATH") or next(
+    (path for name in ("chromium", "chromium-browser", "google-chrome") if (path := shutil.which(name))),
+    "/usr/bin/chromium",
+)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="needs Chromium: apt-get install chromium, or set CHROMIUM_PATH"
+    ),
 ]
 
 
