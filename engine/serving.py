@@ -1,0 +1,247 @@
+"""The Engine: loads a model once, places it on a device mesh, precompiles, serves requests.
+
+Params are replicated over a `jax.sharding.Mesh` of every device (`P()`), the image batch is
+sharded over its `data` axis (`P('data')`). Compiled programs are kept per `Plan`, so a new
+prompt, seed, step count or guidance scale reuses them; JAX's persistent compilation cache
+keeps them across restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from PIL import Image
+
+from . import schedulers
+from .loading import LoadedModel, load_model_folder
+from .pipeline import Plan, generate, initial_latents
+
+MAX_STEPS = 150
+MAX_SIDE = 2048
+SEED_LIMIT = 2**32
+
+
+class InvalidRequest(ValueError):
+    """Bad user input; the message says what to change."""
+
+
+@dataclass
+class GenerationResult:
+    images: list[Image.Image]
+    seeds: list[int]
+    devices: list[str]
+    timings: dict[str, float]
+    compiled: bool
+    warnings: list[str] = field(default_factory=list)
+    arrays: np.ndarray | None = None  # [n, h, w, 3] float32 in [0, 1], before rounding to 8 bits
+
+
+def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
+    """Keeps compiled programs on disk (JAX_SD_CACHE_DIR, default ~/.cache/jax-sd/xla)."""
+    path = Path(path or os.environ.get("JAX_SD_CACHE_DIR") or Path.home() / ".cache" / "jax-sd" / "xla")
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _device_name(device: jax.Device) -> str:
+    return f"{device.platform}:{device.id}"
+
+
+class Engine:
+    """A loaded pipeline on every local device; `generate` is safe to call from many threads."""
+
+    def __init__(self, model: LoadedModel, devices: list[jax.Device] | None = None, images_per_device: int = 1):
+        self.model = model
+        self.family = model.family
+        self.model_name = model.name
+        self.schedulers = schedulers.SCHEDULERS
+        self.max_steps = MAX_STEPS
+        self.example_prompts = list(model.example_prompts)
+        self.images_per_device = images_per_device
+        self._devices = list(devices or jax.devices())
+        self.devices = [_device_name(d) for d in self._devices]
+        self.mesh = Mesh(np.array(self._devices), ("data",))
+        self._replicated = NamedSharding(self.mesh, P())
+        self._batch = NamedSharding(self.mesh, P("data"))
+        self.params = jax.device_put(model.params, self._replicated)
+        self.defaults = dict(model.defaults)
+        self._compiled: dict[Plan, Callable] = {}
+        self._lock = threading.Lock()  # one generation at a time: the devices are shared
+        self._progress: Callable[[int, int], None] | None = None
+        self._total_steps = 0
+        self._noise = jax.jit(initial_latents, static_argnums=1, out_shardings=self._batch)
+        self.compile_count = 0
+
+    # -- validation ---------------------------------------------------------------------
+    def _check(self, prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler):
+        if not isinstance(prompt, str) or not isinstance(negative_prompt, str):
+            raise InvalidRequest("prompt and negative prompt must be text")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+            raise InvalidRequest(f"seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {seed!r}")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= self.max_steps:
+            raise InvalidRequest(f"steps must be a whole number from 1 to {self.max_steps}, got {steps!r}")
+        if not isinstance(guidance, (int, float)) or not np.isfinite(guidance) or not 0 <= guidance <= 50:
+            raise InvalidRequest(f"guidance scale must be a number from 0 to 50, got {guidance!r}")
+        factor = self.model.vae_scale_factor
+        for name, side in (("height", height), ("width", width)):
+            if (
+                isinstance(side, bool)
+                or not isinstance(side, (int, np.integer))
+                or side % factor
+                or not factor <= side <= MAX_SIDE
+            ):
+                raise InvalidRequest(f"{name} must be a multiple of {factor} from {factor} to {MAX_SIDE}, got {side!r}")
+        if isinstance(num_images, bool) or not isinstance(num_images, (int, np.integer)) or not 1 <= num_images <= 64:
+            raise InvalidRequest(f"number of images must be from 1 to 64, got {num_images!r}")
+        if scheduler not in self.schedulers:
+            raise InvalidRequest(f"unknown scheduler {scheduler!r}; choose one of {', '.join(self.schedulers)}")
+
+    # -- compilation --------------------------------------------------------------------
+    def _plan(self, num_images, height, width, scheduler, guidance) -> Plan:
+        factor, n_dev = self.model.vae_scale_factor, len(self._devices)
+        batch = -(-num_images // n_dev) * n_dev  # pad up to a multiple of the device count
+        return Plan(batch, height // factor, width // factor, scheduler, self.max_steps, guidance > 1.0, self.family)
+
+    def _report(self, i) -> None:
+        if self._progress is not None:
+            self._progress(int(i) + 1, self._total_steps)
+
+    def _program(self, plan: Plan, args) -> tuple[Callable, float]:
+        program = self._compiled.get(plan)
+        if program is not None:
+            return program, 0.0
+        start = time.perf_counter()
+        fn = jax.jit(generate, static_argnums=(0, 1, 10), out_shardings=self._batch)
+        program = fn.lower(plan, self.model.graphdef, *args, self._report).compile()
+        self._compiled[plan] = program
+        self.compile_count += 1
+        return program, time.perf_counter() - start
+
+    def _inputs(
+        self, plan: Plan, prompt: str, negative_prompt: str, seeds: np.ndarray, steps: int, guidance: float, latents
+    ):
+        ids, warnings = self.model.tokenize(prompt)
+        neg_ids, neg_warnings = self.model.tokenize(negative_prompt, what="negative prompt")
+        ids = np.broadcast_to(ids, (plan.batch, ids.shape[-1]))
+        neg_ids = np.broadcast_to(neg_ids, (plan.batch, neg_ids.shape[-1]))
+        extra = self.model.extra_inputs(plan)
+        seeds_dev = jax.device_put(seeds, self._batch)
+        if latents is None:
+            shape = (plan.latent_height, plan.latent_width, self.model.latent_channels)
+            latents = self._noise(seeds_dev, shape)
+        else:
+            latents = jax.device_put(latents, self._batch)
+        tables = schedulers.tables(self.model.scheduler_config, plan.scheduler, steps, plan.max_steps)
+        self._total_steps = int(tables.num_loop_steps)
+        put = lambda x: jax.device_put(x, self._batch)  # noqa: E731
+        args = (
+            self.params,
+            put(ids.astype(np.int32)),
+            put(neg_ids.astype(np.int32)),
+            jax.tree.map(put, extra),
+            latents,
+            seeds_dev,
+            jax.device_put(tables, self._replicated),
+            jax.device_put(jnp.float32(guidance), self._replicated),
+        )
+        return args, warnings + neg_warnings
+
+    # -- the public face ----------------------------------------------------------------
+    def warmup(self, num_images: int | None = None, height: int | None = None, width: int | None = None) -> float:
+        """Compiles the default shapes (and guidance on) ahead of the first request; returns seconds."""
+        start = time.perf_counter()
+        self.generate(
+            "",
+            num_inference_steps=1,
+            num_images=num_images,
+            height=height,
+            width=width,
+            guidance_scale=self.defaults["guidance_scale"],
+        )
+        return time.perf_counter() - start
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        seed: int = 0,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_images: int | None = None,
+        scheduler: str | None = None,
+        latents: np.ndarray | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> GenerationResult:
+        d = self.defaults
+        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
+        guidance = d["guidance_scale"] if guidance_scale is None else guidance_scale
+        height = d["height"] if height is None else height
+        width = d["width"] if width is None else width
+        num_images = len(self._devices) * self.images_per_device if num_images is None else num_images
+        scheduler = d["scheduler"] if scheduler is None else scheduler
+        self._check(prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler)
+        plan = self._plan(num_images, height, width, scheduler, float(guidance))
+        seeds = (np.arange(plan.batch, dtype=np.uint64) + int(seed)) % SEED_LIMIT
+        if latents is not None:
+            want = (num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
+            latents = np.asarray(latents, np.float32)
+            if latents.shape != want:
+                raise InvalidRequest(
+                    f"latents must have shape {want} (images, channels, height/8, width/8), got {latents.shape}"
+                )
+            latents = latents.transpose(0, 2, 3, 1)  # NCHW -> NHWC
+            pad = plan.batch - num_images
+            latents = np.concatenate([latents, np.zeros((pad, *latents.shape[1:]), np.float32)]) if pad else latents
+        with self._lock:
+            start = time.perf_counter()
+            args, warnings = self._inputs(
+                plan, prompt, negative_prompt, seeds.astype(np.uint32), steps, float(guidance), latents
+            )
+            program, compile_s = self._program(plan, args)
+            run_start = time.perf_counter()
+            self._progress = progress
+            try:
+                images = np.asarray(program(*args))[:num_images]
+            finally:
+                self._progress = None
+            run_s = time.perf_counter() - run_start
+        per_device = plan.batch // len(self._devices)
+        return GenerationResult(
+            images=[Image.fromarray(np.round(img * 255).astype(np.uint8)) for img in images],
+            seeds=[int(s) for s in seeds[:num_images]],
+            devices=[self.devices[k // per_device] for k in range(num_images)],
+            timings={"compile_s": compile_s, "run_s": run_s, "total_s": time.perf_counter() - start},
+            compiled=compile_s > 0,
+            warnings=warnings,
+            arrays=images,
+        )
+
+
+def load_pipeline(
+    source: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    images_per_device: int = 1,
+    devices: list[jax.Device] | None = None,
+) -> Engine:
+    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id)."""
+    model = load_model_folder(source, dtype or default_dtype())
+    return Engine(model, devices=devices, images_per_device=images_per_device)

@@ -1,0 +1,122 @@
+"""Where a model comes from: the embedded default, a local diffusers folder, or a Hub id.
+
+A diffusers folder holds `model_index.json` and one sub-folder per component (`unet/`,
+`vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`, and for SDXL `text_encoder_2/`,
+`tokenizer_2/`), each with its `config.json` and `*.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_MODEL = ASSETS / "default"
+
+WEIGHT_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+PIPELINE_FAMILIES = {
+    "StableDiffusionPipeline": "sd",
+    "StableDiffusionXLPipeline": "sdxl",
+}
+_WEIGHT_NAME = re.compile(
+    r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
+)
+
+
+class SourceError(ValueError):
+    """A model source that cannot be found, fetched or read."""
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    root: Path
+    name: str  # what the user asked for: "embedded default", a folder, or a Hub id
+    family: str  # "sd" or "sdxl"
+    index: dict
+
+    def component(self, name: str) -> Path:
+        path = self.root / name
+        if not path.is_dir():
+            raise SourceError(f"{self.name}: the model folder has no {name}/ sub-folder")
+        return path
+
+    def has(self, name: str) -> bool:
+        return (self.root / name).is_dir() and name in self.index
+
+    def weight_files(self, name: str, variant: str | None = None) -> list[Path]:
+        """The safetensors files of one component, preferring `variant` (e.g. "fp16") when present."""
+        folder = self.component(name)
+        by_variant: dict[str | None, list[Path]] = {}
+        for file in sorted(folder.iterdir()):
+            match = _WEIGHT_NAME.match(file.name)
+            if match and not file.name.endswith(".index.json"):
+                by_variant.setdefault(match["variant"], []).append(file)
+        files = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), None)
+        if not files:
+            bins = [f.name for f in folder.glob("*.bin")]
+            hint = " (only PyTorch .bin files, which we do not read: convert them to safetensors)" if bins else ""
+            raise SourceError(f"{self.name}: no .safetensors weights in {name}/{hint}")
+        return files
+
+
+def select_hub_files(files: list[str], variant: str | None = None) -> list[str]:
+    """The files of a Hub repo that a text-to-image load needs: configs, tokenizers, one weights variant."""
+    wanted = [f for f in files if f == "model_index.json" or re.match(r"^(scheduler|tokenizer(_2)?)/", f)]
+    wanted += [f for f in files if re.match(rf"^({'|'.join(WEIGHT_COMPONENTS)})/config\.json$", f)]
+    for component in WEIGHT_COMPONENTS:
+        by_variant: dict[str | None, list[str]] = {}
+        for f in files:
+            head, _, tail = f.partition("/")
+            match = _WEIGHT_NAME.match(tail) if head == component else None
+            if match:
+                by_variant.setdefault(match["variant"], []).append(f)
+        chosen = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
+        wanted += chosen
+    return sorted(set(wanted))
+
+
+def _fetch_from_hub(repo_id: str, variant: str | None) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    offline_hint = (
+        f"cannot fetch {repo_id!r} from the Hugging Face Hub and it is not in the local cache. "
+        f"Download it where there is a network (`hf download {repo_id} --local-dir DIR`) "
+        "and pass that folder instead (--model DIR or MODEL_ID=DIR)."
+    )
+    try:
+        files = huggingface_hub.list_repo_files(repo_id)
+    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
+        try:  # offline: whatever the local cache holds
+            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+        except Exception as cache_err:
+            raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from cache_err
+    patterns = select_hub_files(files, variant)
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+    except (OSError, HfHubHTTPError) as err:
+        raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from err
+
+
+def resolve(source: str | Path | None = None, variant: str | None = None) -> ModelFolder:
+    """Finds (and, for a Hub id, downloads) a diffusers-format folder and reads its model_index.json."""
+    if source is None:
+        root, name = DEFAULT_MODEL, "embedded default"
+    elif Path(source).expanduser().is_dir():
+        root, name = Path(source).expanduser(), str(source)
+    elif isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        root, name = _fetch_from_hub(source, variant), source
+    else:
+        raise SourceError(f"model source {str(source)!r} is neither a folder nor a Hub id like 'owner/name'")
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise SourceError(f"{name}: no model_index.json, so this is not a diffusers-format model folder")
+    index = json.loads(index_path.read_text())
+    class_name = index.get("_class_name", "")
+    family = PIPELINE_FAMILIES.get(class_name)
+    if family is None:
+        known = ", ".join(PIPELINE_FAMILIES)
+        raise SourceError(f"{name}: model type {class_name!r} is not supported (supported: {known})")
+    return ModelFolder(root=root, name=name, family=family, index=index)
