@@ -227,7 +227,7 @@ def describe(result: Any, request: dict[str, Any], random_seed: bool) -> str:
             f"  \nThe first run at this size compiled first ({result.timings['compile_s']:.1f} s); the next is faster."
         )
     for warning in result.warnings:
-        text += f"  \n⚠ {warning}"
+        text += f"  \nNote: {warning}"
     return text
 
 
@@ -260,7 +260,7 @@ def _status(pipe: Any, warmup: Warmup | None) -> str:
     if warmup is None:
         return f"Ready: {where}."
     if not warmup.ready:
-        return f"⏳ **Warming up**: compiling {where} for the default size. Requests wait until it is done."
+        return f"**Warming up**: compiling {where} for the default size. Requests wait until it is done."
     if warmup.error:
         return f"Ready: {where}. Warm-up failed ({warmup.error}); the first request compiles instead."
     return f"Ready: {where}. Warm-up compiled in {warmup.seconds:.1f} s."
@@ -329,7 +329,10 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
                     )
                 button = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=3):
-                gallery = gr.Gallery(label="Images", columns=4, format="png", elem_id="gallery")
+                # Two fixed columns: one picture stays small enough for its caption to show.
+                gallery = gr.Gallery(
+                    label="Images", columns=2, fit_columns=False, object_fit="contain", format="png", elem_id="gallery"
+                )
                 info = gr.Markdown(label="Details", elem_id="info")
         gr.Examples(
             examples=[[p] for p in example_prompts(pipe)],
@@ -361,6 +364,7 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
             api_name=API_NAME,
             preprocess=False,
             concurrency_limit=1,
+            show_progress_on=[gallery],
         )
         button.click(**event)
         prompt.submit(**event, api_visibility="private")

@@ -8,7 +8,6 @@ user's script would.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -16,7 +15,7 @@ import pytest
 from PIL import Image
 
 import app
-from tests._app_server import shared_app
+from tests._app_server import QUEUE_SIZE, shared_app
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
 
@@ -183,18 +182,25 @@ def client(request, tmp_path_factory):
     yield Client(server.url, verbose=False, download_files=str(tmp_path_factory.mktemp("downloads")))
 
 
-def call(client, **changes: Any):
-    """One request with the embedded model's defaults, as `gradio_client` users write it."""
+def arguments(client, **changes: Any) -> dict[str, Any]:
+    """The page's defaults for every API parameter, a fixed seed, and `changes`."""
     api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
     defaults = {p["parameter_name"]: p["parameter_default"] for p in api["parameters"]}
-    values = {**defaults, "prompt": "a red circle on a blue background", "random_seed": False, **changes}
-    return client.predict(**values, api_name="/generate")
+    return {**defaults, "prompt": "a red circle on a blue background", "random_seed": False, **changes}
+
+
+def call(client, **changes: Any):
+    """One request, as `gradio_client` users write it."""
+    return client.predict(**arguments(client, **changes), api_name="/generate")
+
+
+def slider_maximum(client, label: str) -> int:
+    return next(c["props"]["maximum"] for c in client.config["components"] if c["props"].get("label") == label)
 
 
 def test_api_returns_as_many_images_as_asked_with_their_seeds(client):
     gallery, seed, info = call(client, seed=1234, images_per_device=2)
-    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
-    defaults = {p["parameter_name"]: p["parameter_default"] for p in api["parameters"]}
+    defaults = arguments(client)
     assert seed == 1234
     assert len(gallery) % 2 == 0 and gallery, gallery
     devices = len(gallery) // 2
@@ -244,7 +250,29 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_works(client, change,
     assert gallery
 
 
-def test_compile_cache_is_written_to_disk(client, request, tmp_path_factory):
+def test_a_full_queue_refuses_with_a_message_and_serving_goes_on(client):
+    from gradio_client.utils import QueueError
+
+    # One request runs and QUEUE_SIZE wait; the longest allowed runs keep the queue full.
+    slow = arguments(client, steps=slider_maximum(client, "Steps"))
+    jobs = [client.submit(**{**slow, "seed": k}, api_name="/generate") for k in range(QUEUE_SIZE + 4)]
+    refused, served = [], 0
+    for job in jobs:
+        try:
+            job.result(timeout=120)
+            served += 1
+        except QueueError as e:
+            refused.append(str(e))
+    assert served >= 1 and refused, (served, refused)
+    assert all("Queue is full" in message for message in refused), refused
+    gallery, _, _ = call(client, seed=6)
+    assert gallery
+
+
+def test_the_compiled_program_is_kept_on_disk(client, request, tmp_path_factory):
+    # A restart finds the denoising program (the engine's jitted `generate`) in JAX's
+    # persistent cache instead of compiling it again.
     call(client, seed=2)
-    cache = Path(shared_app(request, tmp_path_factory).log_path).parent / "xla-cache"
-    assert cache.is_dir() and any(cache.iterdir()), "the persistent compilation cache stayed empty"
+    cache = shared_app(request, tmp_path_factory).log_path.parent / "xla-cache"
+    entries = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+    assert any(name.startswith("jit_generate") for name in entries), f"not in the persistent cache: {entries}"

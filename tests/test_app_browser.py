@@ -7,6 +7,7 @@ JAX_SD_UPDATE_SCREENSHOT=1 to refresh the README's docs/screenshot.png from this
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from urllib.parse import urlparse
@@ -63,20 +64,29 @@ def test_prompt_to_gallery(page, tmp_path_factory):
     images = page.locator("#gallery img")
     expect(images.first).to_be_visible(timeout=300_000)
     expect(page.locator("#info")).to_contain_text("seed", timeout=60_000)
+    reported = re.search(r"(\d+) images?", page.locator("#info").inner_text())
+    assert reported, page.locator("#info").inner_text()
     count = images.count()
-    assert count >= 1
+    assert count == int(reported[1]) >= 1
+    gallery_box = page.locator("#gallery").bounding_box()
     for k in range(count):
-        width = images.nth(k).evaluate("img => img.complete ? img.naturalWidth : 0")
-        assert width > 0, f"image {k} did not load"
-    captions = page.locator("#gallery").inner_text()
-    assert "· seed " in captions
+        image = images.nth(k)
+        image.scroll_into_view_if_needed()
+        assert image.evaluate("img => img.complete && img.naturalWidth > 0"), f"image {k} did not load"
+    captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
+    expect(captions).to_have_count(count)
+    first = captions.first.bounding_box()
+    assert first["y"] + first["height"] <= gallery_box["y"] + gallery_box["height"], "caption cut off"
 
     shot = tmp_path_factory.mktemp("browser") / "screenshot.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
     if os.environ.get("JAX_SD_UPDATE_SCREENSHOT"):
+        from PIL import Image
+
         (ROOT / "docs").mkdir(exist_ok=True)
-        shutil.copyfile(shot, ROOT / "docs" / "screenshot.png")
+        with Image.open(shot) as image:  # 256 colours keep the committed file small
+            image.convert("RGB").quantize(256).save(ROOT / "docs" / "screenshot.png", optimize=True)
 
 
 def test_example_fills_the_prompt(page):
