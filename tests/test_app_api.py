@@ -8,6 +8,7 @@ user's script would.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import gradio as gr
@@ -218,6 +219,20 @@ def test_random_seed_reports_the_seed_it_used(client):
     assert 0 <= seed < 2**32
     assert gallery[0]["caption"].endswith(f"seed {seed}")
     assert f"seed {seed} (random)" in info
+
+
+def test_the_progress_bar_follows_the_denoising_steps(client):
+    steps = slider_maximum(client, "Steps")  # long enough a run to watch
+    job = client.submit(**arguments(client, steps=steps), api_name="/generate")
+    seen = set()
+    while not job.done():
+        for unit in job.status().progress_data or []:
+            if unit.desc == "Denoising" and unit.index is not None:
+                seen.add((unit.index, unit.length))
+        time.sleep(0.01)
+    job.result()
+    assert len(seen) >= 2, f"the bar did not move: {seen}"
+    assert all(length >= steps and 0 < index <= length for index, length in seen), seen
 
 
 def test_changing_steps_guidance_seed_or_prompt_does_not_recompile(client):
