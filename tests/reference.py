@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+torch.set_num_threads(1)  # JAX holds the other core; oversubscribed threads slow torch tenfold
+
 # Tiny UNet layouts that exercise what SD 1.x, 2.x and XL use.
 UNET_LAYOUTS = {
     "sd1": dict(
