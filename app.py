@@ -23,6 +23,8 @@ from typing import Any
 
 import gradio as gr
 
+import engine
+
 log = logging.getLogger("jax-sd")
 
 API_NAME = "generate"  # gradio_client: Client(url).predict(..., api_name="/generate")
@@ -137,7 +139,7 @@ def _as_text(value: Any, what: str) -> str:
 
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes", "on", "random")
+        return value.strip().lower() in ("true", "1", "yes", "on")
     return bool(value)
 
 
@@ -223,9 +225,7 @@ def describe(result: Any, request: dict[str, Any], random_seed: bool) -> str:
     ]
     text = " · ".join(parts)
     if result.compiled:
-        text += (
-            f"  \nThe first run at this size compiled first ({result.timings['compile_s']:.1f} s); the next is faster."
-        )
+        text += f"  \nIncludes compiling for this size ({result.timings['compile_s']:.1f} s), which happens once."
     for warning in result.warnings:
         text += f"  \nNote: {warning}"
     return text
@@ -236,11 +236,9 @@ def run_generation(pipe: Any, warmup: Warmup | None, raw: dict[str, Any], progre
     if warmup is not None and not warmup.ready:
         progress(0.0, desc="Waiting for the model to finish warming up")
         warmup.wait()
-    from engine import InvalidRequest  # the engine's own verdict on values we let through
-
     try:
         result = _call_with_progress(lambda report: pipe.generate(**request, progress=report), progress)
-    except InvalidRequest as e:
+    except engine.InvalidRequest as e:  # the engine's own verdict on values the page let through
         raise _refuse(str(e)) from None
     except Exception as e:  # one failed request must not take the server down
         log.exception("generation failed")
@@ -399,8 +397,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.queue_size < 1:
         parser.error("--queue-size must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-    import engine
 
     engine.enable_compile_cache()
     started = time.perf_counter()
