@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 import app
-from tests._app_server import QUEUE_SIZE, shared_app
+from tests._app_server import QUEUE_SIZE, AppServer, shared_app
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
 
@@ -291,3 +291,17 @@ def test_the_compiled_program_is_kept_on_disk(client, request, tmp_path_factory)
     cache = shared_app(request, tmp_path_factory).log_path.parent / "xla-cache"
     entries = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
     assert any(name.startswith("jit_generate") for name in entries), f"not in the persistent cache: {entries}"
+
+
+def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
+    from gradio_client import Client
+
+    # Two simulated CPU devices: the default request fills one slot on each.
+    server = AppServer(tmp_path, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}).wait_until_up()
+    try:
+        client = Client(server.url, verbose=False, download_files=str(tmp_path / "downloads"))
+        gallery, _, info = call(client, seed=40)
+        assert [item["caption"] for item in gallery] == ["cpu:0 · seed 40", "cpu:1 · seed 41"], server.log_tail()
+        assert "compil" not in info, "the warm-up compiled the default shapes for both devices"
+    finally:
+        server.stop()
