@@ -305,7 +305,7 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
         with gr.Row():
             with gr.Column(scale=2):
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="What should the picture show?")
-                negative_prompt = gr.Textbox(label="Negative prompt", placeholder="What to keep out of it")
+                negative_prompt = gr.Textbox(label="Negative prompt", value="", placeholder="What to keep out of it")
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, scale=3)
                     random_seed = gr.Checkbox(label="Random seed", value=True, scale=1)
