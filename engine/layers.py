@@ -208,8 +208,14 @@ class Upsample2D(nnx.Module):
     def __init__(self, channels: int, rngs: nnx.Rngs):
         self.conv = conv(channels, channels, 3, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # nearest-neighbour 2x
+    def __call__(self, x: jax.Array, size: tuple[int, int] | None = None) -> jax.Array:
+        """Nearest-neighbour 2x, or to `size` (the UNet's skip size when a side is not a multiple of 2**depth)."""
+        h, w = x.shape[1:3]
+        out_h, out_w = size or (2 * h, 2 * w)
+        if (out_h, out_w) == (2 * h, 2 * w):
+            x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        else:  # torch's "nearest": source index floor(i * in / out)
+            x = x[:, (jnp.arange(out_h) * h) // out_h][:, :, (jnp.arange(out_w) * w) // out_w]
         return self.conv(x)
 
 

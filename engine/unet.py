@@ -102,7 +102,7 @@ class UpBlock(nnx.Module):
             if self.attentions is not None:
                 x = self.attentions[j](x, context)
         if self.upsamplers is not None:
-            x = self.upsamplers[0](x)
+            x = self.upsamplers[0](x, skips[-1].shape[1:3])  # the next block's skip sets the size
         return x
 
 

@@ -37,12 +37,13 @@ def ours_from_torch(make, torch_model):
 
 
 @pytest.mark.parametrize("layout", sorted(UNET_LAYOUTS))
-def test_unet_matches_diffusers(layout):
+@pytest.mark.parametrize("size", [(16, 24), (9, 14)])  # the second is no multiple of 2**depth
+def test_unet_matches_diffusers(layout, size):
     ref = randomize(TorchUNet(**UNET_LAYOUTS[layout]))
     cfg = UNetConfig.from_dict(dict(ref.config))
     ours = ours_from_torch(lambda: UNet2DConditionModel(cfg, nnx.Rngs(0)), ref)
     rng = np.random.default_rng(0)
-    sample = rng.standard_normal((2, 16, 24, 4)).astype(np.float32)  # non-square on purpose
+    sample = rng.standard_normal((2, *size, 4)).astype(np.float32)
     t = np.array([999.0, 37.5], np.float32)
     context = rng.standard_normal((2, 7, cfg.per_block("cross_attention_dim")[0])).astype(np.float32)
     extra, torch_extra = {}, {}

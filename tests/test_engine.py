@@ -1,0 +1,182 @@
+"""The engine's contract: no recompiles for per-request values, clear errors, devices, sources."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from multidevice import run_with_devices
+
+from engine import InvalidRequest, SourceError, WeightsError, load_pipeline
+from engine.sources import DEFAULT_MODEL, select_hub_files
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return load_pipeline()
+
+
+def test_steps_guidance_seed_and_prompt_never_recompile(pipe):
+    pipe.generate("a red circle", num_inference_steps=2, guidance_scale=7.5, seed=1)
+    compiled = pipe.compile_count
+    for steps, guidance, seed, prompt in [(3, 7.5, 2, "a blue star"), (9, 2.0, 99, ""), (1, 12.0, 2**32 - 1, "x" * 50)]:
+        result = pipe.generate(prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed)
+        assert not result.compiled
+        assert result.timings["compile_s"] == 0.0
+    assert pipe.compile_count == compiled
+
+
+def test_a_new_shape_or_scheduler_compiles_once(pipe):
+    before = pipe.compile_count
+    first = pipe.generate("a", num_inference_steps=2, height=72, width=64, scheduler="ddim")
+    again = pipe.generate("b", num_inference_steps=5, height=72, width=64, scheduler="ddim")
+    assert first.compiled and not again.compiled
+    assert pipe.compile_count == before + 1
+    assert first.images[0].size == (64, 72)
+
+
+def test_seeds_are_per_image_and_reproducible(pipe):
+    three = pipe.generate("a red circle", num_inference_steps=3, seed=10, num_images=3)
+    assert three.seeds == [10, 11, 12]
+    alone = pipe.generate("a red circle", num_inference_steps=3, seed=12, num_images=1)
+    np.testing.assert_allclose(alone.arrays[0], three.arrays[2], atol=1e-5)
+    assert np.abs(three.arrays[0] - three.arrays[1]).max() > 1e-3  # different seeds, different pictures
+
+
+def test_progress_reports_every_step(pipe):
+    seen = []
+    pipe.generate("a", num_inference_steps=4, scheduler="ddim", progress=lambda i, n: seen.append((i, n)))
+    assert [i for i, _ in seen] == [1, 2, 3, 4]
+    assert {n for _, n in seen} == {4}
+
+
+def test_long_prompts_are_truncated_with_a_warning(pipe):
+    result = pipe.generate("red " * 100, num_inference_steps=1)
+    assert any("truncated to 77 tokens" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_inference_steps=0), "steps must be a whole number from 1"),
+        (dict(num_inference_steps=1000), "steps must be a whole number from 1"),
+        (dict(num_inference_steps=2.5), "steps must be a whole number"),
+        (dict(height=100), "height must be a multiple of 8"),
+        (dict(width=0), "width must be a multiple of 8"),
+        (dict(guidance_scale=-1.0), "guidance scale must be a number from 0"),
+        (dict(guidance_scale=float("nan")), "guidance scale must be a number"),
+        (dict(seed=-1), "seed must be a whole number"),
+        (dict(seed="abc"), "seed must be a whole number"),
+        (dict(scheduler="lms"), "unknown scheduler 'lms'"),
+        (dict(num_images=0), "number of images"),
+        (dict(latents=np.zeros((1, 4, 3, 3), np.float32)), "latents must have shape"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(pipe, kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        pipe.generate("a red circle", **kwargs)
+
+
+def test_the_engine_still_serves_after_bad_input(pipe):
+    with pytest.raises(InvalidRequest):
+        pipe.generate("a", num_inference_steps=0)
+    assert len(pipe.generate("a", num_inference_steps=1).images) == 1
+
+
+def test_a_folder_with_a_missing_tensor_is_refused_with_the_list(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["conv_in.bias"]
+    save_file(tensors, str(path))
+    with pytest.raises(WeightsError, match=r"missing \(1\): unet.conv_in.bias"):
+        load_pipeline(folder)
+
+
+def test_a_folder_of_another_model_type_is_refused(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxPipeline")))
+    with pytest.raises(SourceError, match="'FluxPipeline' is not supported"):
+        load_pipeline(folder)
+
+
+def test_a_folder_that_is_not_a_model_is_refused(tmp_path):
+    with pytest.raises(SourceError, match="no model_index.json"):
+        load_pipeline(tmp_path)
+
+
+def test_a_hub_id_loads_from_the_offline_cache(tmp_path, monkeypatch):
+    # The layout huggingface_hub keeps: models--owner--name/{refs/main, snapshots/<commit>/...}.
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--jax-sd--tiny"
+    shutil.copytree(DEFAULT_MODEL, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    pipe = load_pipeline("jax-sd/tiny")
+    assert pipe.model_name == "jax-sd/tiny"
+    with pytest.raises(SourceError, match="pass that folder instead"):
+        load_pipeline("jax-sd/not-downloaded")
+
+
+def test_only_the_needed_hub_files_are_fetched():
+    files = [
+        "model_index.json",
+        "README.md",
+        "scheduler/scheduler_config.json",
+        "tokenizer/vocab.json",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "unet/diffusion_pytorch_model.fp16.safetensors",
+        "unet/diffusion_pytorch_model.bin",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/config.json",
+        "text_encoder/model.fp16.safetensors",
+        "text_encoder/model.safetensors",
+        "safety_checker/model.safetensors",
+        "v1-5-pruned.safetensors",
+    ]
+    fp16 = select_hub_files(files, "fp16")
+    assert "unet/diffusion_pytorch_model.fp16.safetensors" in fp16
+    assert "unet/diffusion_pytorch_model.safetensors" not in fp16
+    assert "vae/diffusion_pytorch_model.safetensors" in fp16  # no fp16 variant: take the plain one
+    full = select_hub_files(files)
+    assert "text_encoder/model.safetensors" in full and "text_encoder/model.fp16.safetensors" not in full
+    for skipped in (
+        "README.md",
+        "unet/diffusion_pytorch_model.bin",
+        "safety_checker/model.safetensors",
+        "v1-5-pruned.safetensors",
+    ):
+        assert skipped not in fp16 and skipped not in full
+
+
+def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
+    one = pipe.generate("a red circle", seed=3, num_inference_steps=3, num_images=8, scheduler="euler_a")
+    run_with_devices(
+        8,
+        """
+        import numpy as np
+        from engine import load_pipeline
+        pipe = load_pipeline()
+        assert len(pipe.devices) == 8
+        result = pipe.generate("a red circle", seed=3, num_inference_steps=3, scheduler="euler_a")
+        np.save(OUT / "images.npy", result.arrays)
+        (OUT / "devices.txt").write_text(",".join(result.devices))
+        """,
+        tmp_path,
+    )
+    eight = np.load(tmp_path / "images.npy")
+    assert eight.shape == one.arrays.shape  # the default is one image per device
+    np.testing.assert_allclose(eight, one.arrays, atol=1e-4)
+    assert (tmp_path / "devices.txt").read_text().split(",") == [f"cpu:{i}" for i in range(8)]
