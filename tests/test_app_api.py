@@ -172,6 +172,45 @@ def test_demo_exposes_a_stable_api_name():
     assert names == [app.API_NAME]
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, {"model": None, "server_name": "127.0.0.1", "server_port": 7860, "share": False, "queue": 16}),
+        (
+            ["--host", "0.0.0.0", "--port", "8080", "--share", "--queue-size", "3"],
+            {"MODEL_ID": "stable-diffusion-v1-5/stable-diffusion-v1-5"},
+            {
+                "model": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+                "server_name": "0.0.0.0",
+                "server_port": 8080,
+                "share": True,
+                "queue": 3,
+            },
+        ),
+        (["--model", "/models/sd15"], {"MODEL_ID": "ignored/by-the-flag"}, {"model": "/models/sd15"}),
+    ],
+)
+def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv, env, expected):
+    for name in ("MODEL_ID", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+    monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: seen.setdefault("cache", True))
+
+    def load_pipeline(source=None):
+        seen["model"] = source
+        return FakeEngine()
+
+    monkeypatch.setattr(app.engine, "load_pipeline", load_pipeline)
+    monkeypatch.setattr(app.Warmup, "start", lambda self: self)
+    monkeypatch.setattr(gr.Blocks, "queue", lambda self, max_size: seen.update(queue=max_size) or self)
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs))
+    app.main(argv)
+    assert seen["cache"]
+    assert {key: seen[key] for key in expected} == expected
+
+
 # ---- end to end: the real app on the embedded model, through gradio_client ---------------
 
 
