@@ -1,0 +1,82 @@
+"""Command line: `python -m engine generate "a prompt" --steps 25 --out out/`.
+
+Writes one PNG per image and, for several images, a grid; prints the seeds and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+
+def grid(images: list[Image.Image]) -> Image.Image:
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    sheet = Image.new("RGB", (cols * w, rows * h), "white")
+    for k, image in enumerate(images):
+        sheet.paste(image, ((k % cols) * w, (k // cols) * h))
+    return sheet
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="Stable Diffusion text-to-image in JAX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate images from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--negative", default="", help="negative prompt")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    gen.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    gen.add_argument("--scheduler", default=None, help="pndm, ddim, euler, euler_a, dpm++2m, dpm++2m_karras")
+    gen.add_argument("--height", type=int, default=None)
+    gen.add_argument("--width", type=int, default=None)
+    gen.add_argument("--images", type=int, default=None, help="number of images (default: one per device)")
+    gen.add_argument("--model", default=None, help="a diffusers folder or Hub id (default: the embedded model)")
+    gen.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on GPU/TPU, f32 on CPU"
+    )
+    gen.add_argument("--out", type=Path, default=Path("out"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, load_pipeline
+
+    enable_compile_cache()
+    try:
+        pipe = load_pipeline(args.model, dtype=args.dtype)
+        result = pipe.generate(
+            args.prompt,
+            negative_prompt=args.negative,
+            seed=args.seed,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            height=args.height,
+            width=args.width,
+            num_images=args.images,
+            scheduler=args.scheduler,
+        )
+    except (InvalidRequest, SourceError, WeightsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    for image, seed in zip(result.images, result.seeds, strict=True):
+        image.save(args.out / f"seed{seed}.png")
+    if len(result.images) > 1:
+        grid(result.images).save(args.out / "grid.png")
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    t = result.timings
+    print(f"{len(result.images)} image(s), seeds {result.seeds}, on {', '.join(sorted(set(result.devices)))}")
+    print(f"compile {t['compile_s']:.2f} s, run {t['run_s']:.2f} s, total {t['total_s']:.2f} s -> {args.out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

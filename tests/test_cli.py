@@ -1,0 +1,38 @@
+"""`python -m engine generate` writes the images and a grid, and says what went wrong on bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SD_CACHE_DIR=str(tmp_path / "xla"))
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_writes_images_and_a_grid(tmp_path):
+    out = tmp_path / "out"
+    done = run_cli(
+        "generate", "a red circle", "--seed", "4", "--steps", "2", "--images", "2", "--out", str(out), tmp_path=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["grid.png", "seed4.png", "seed5.png"]
+    w, h = Image.open(out / "seed4.png").size
+    assert Image.open(out / "grid.png").size == (2 * w, h)
+    assert "seeds [4, 5]" in done.stdout and "compile" in done.stdout
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    done = run_cli("generate", "a red circle", "--steps", "0", "--out", str(tmp_path / "out"), tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert "error: steps must be a whole number from 1" in done.stderr
+    assert "Traceback" not in done.stderr
