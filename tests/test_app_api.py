@@ -204,7 +204,14 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
 
     monkeypatch.setattr(app.engine, "load_pipeline", load_pipeline)
     monkeypatch.setattr(app.Warmup, "start", lambda self: self)
-    monkeypatch.setattr(gr.Blocks, "queue", lambda self, max_size: seen.update(queue=max_size) or self)
+    queue = gr.Blocks.queue
+
+    def record_queue(self, *args, **kwargs):
+        if "max_size" in kwargs:  # Gradio also calls queue() itself, with no arguments
+            seen["queue"] = kwargs["max_size"]
+        return queue(self, *args, **kwargs)
+
+    monkeypatch.setattr(gr.Blocks, "queue", record_queue)
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs))
     app.main(argv)
     assert seen["cache"]
