@@ -1,0 +1,206 @@
+"""Our engine against diffusers (PyTorch) on the same model, same machine, same run.
+
+Builds a random-weight Stable Diffusion of the chosen shape with diffusers, saves it in
+diffusers layout, and loads that folder in both. Times whole text-to-image calls at two step
+counts; the difference gives the cost of one denoising step (UNet with guidance plus
+scheduler), the rest is the fixed cost (text encoder, VAE decode, transfer). Prints JSON.
+
+    python bench/bench.py --config small               # CPU: a small SD-shaped model
+    python bench/bench.py --config sd15 --images 1 8   # GPU: SD1.5 at 512x512, bf16 vs fp16
+    python bench/bench.py --config sd15 --compile      # also diffusers with torch.compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {
+    # SD-shaped, small enough for a 2-core CPU: three levels, cross-attention, 32x32 latents.
+    "small": dict(
+        unet=dict(
+            block_out_channels=(64, 128, 128),
+            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=256,
+            attention_head_dim=4,
+            layers_per_block=1,
+            sample_size=32,
+        ),
+        vae=dict(block_out_channels=(32, 64, 64, 64), layers_per_block=1),
+        clip=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
+        size=256,
+    ),
+    # Stable Diffusion 1.5 at 512x512.
+    "sd15": dict(
+        unet=dict(
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            layers_per_block=2,
+            sample_size=64,
+        ),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2),
+        clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        size=512,
+    ),
+}
+
+
+def write_model(config: dict, folder: Path, half: bool) -> None:
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = CLIPTokenizer.from_pretrained(str(ROOT / "engine" / "assets" / "default" / "tokenizer"))
+    clip = CLIPTextConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=77, eos_token_id=tokenizer.eos_token_id, **config["clip"]
+    )
+    vae_blocks = len(config["vae"]["block_out_channels"])
+    pipe = StableDiffusionPipeline(
+        unet=UNet2DConditionModel(**config["unet"]),
+        vae=AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+            up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+            **config["vae"],
+        ),
+        text_encoder=CLIPTextModel(clip),
+        tokenizer=tokenizer,
+        scheduler=PNDMScheduler(
+            beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, skip_prk_steps=True, steps_offset=1
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    if half:
+        pipe = pipe.to(torch.float16)
+    pipe.save_pretrained(folder, variant="fp16" if half else None)
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def per_step(call, steps: tuple[int, int], reps: int) -> dict:
+    lo, hi = (median_time(lambda n=n: call(n), reps) for n in steps)
+    step = (hi - lo) / (steps[1] - steps[0])
+    return {"step_ms": 1000 * step, "fixed_ms": 1000 * (lo - steps[0] * step), f"call_{steps[1]}_steps_s": hi}
+
+
+def bench_ours(folder: Path, images: int, size: int, steps: tuple[int, int], reps: int, dtype: str | None) -> dict:
+    from engine import load_pipeline
+
+    pipe = load_pipeline(folder, dtype=dtype)
+    start = time.perf_counter()
+    pipe.generate("warm up", num_images=images, height=size, width=size, num_inference_steps=1)
+    compile_s = time.perf_counter() - start
+
+    def call(n):
+        return pipe.generate(
+            "a photo of a cat", num_images=images, height=size, width=size, num_inference_steps=n, guidance_scale=7.5
+        )
+
+    result = per_step(call, steps, reps)
+    return {**result, "compile_s": compile_s, "devices": len(pipe.devices)}
+
+
+def bench_diffusers(
+    folder: Path, images: int, size: int, steps: tuple[int, int], reps: int, half: bool, compile_: bool
+) -> dict:
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if half else torch.float32
+    pipe = StableDiffusionPipeline.from_pretrained(folder, variant="fp16" if half else None, torch_dtype=dtype).to(
+        device
+    )
+    pipe.set_progress_bar_config(disable=True)
+    if compile_:
+        pipe.unet = torch.compile(pipe.unet)
+        pipe.vae.decode = torch.compile(pipe.vae.decode)
+
+    def call(n):
+        with torch.inference_mode():
+            pipe(
+                "a photo of a cat",
+                num_images_per_prompt=images,
+                height=size,
+                width=size,
+                num_inference_steps=n,
+                guidance_scale=7.5,
+                output_type="np",
+            )
+
+    start = time.perf_counter()
+    call(2)
+    warm_s = time.perf_counter() - start
+    return {**per_step(call, steps, reps), "warm_s": warm_s, "device": device, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--images", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--steps", type=int, nargs=2, default=[4, 12], help="two step counts; the slope is the step cost"
+    )
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also time diffusers with torch.compile")
+    parser.add_argument("--skip-reference", action="store_true")
+    args = parser.parse_args()
+
+    import jax
+
+    config = CONFIGS[args.config]
+    accelerator = jax.default_backend() != "cpu"
+    report = {
+        "config": args.config,
+        "size": config["size"],
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "steps": args.steps,
+        "runs": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        write_model(config, folder, half=accelerator)
+        for images in args.images:
+            run = {
+                "images": images,
+                "ours": bench_ours(folder, images, config["size"], tuple(args.steps), args.reps, None),
+            }
+            if not args.skip_reference:
+                run["diffusers"] = bench_diffusers(
+                    folder, images, config["size"], tuple(args.steps), args.reps, accelerator, False
+                )
+                run["speedup_step"] = run["diffusers"]["step_ms"] / run["ours"]["step_ms"]
+                if args.compile:
+                    run["diffusers_compile"] = bench_diffusers(
+                        folder, images, config["size"], tuple(args.steps), args.reps, accelerator, True
+                    )
+                    run["speedup_step_vs_compile"] = run["diffusers_compile"]["step_ms"] / run["ours"]["step_ms"]
+            report["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
