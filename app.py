@@ -97,6 +97,16 @@ def size_range(pipe: Any) -> tuple[int, int]:
     return 64, (2048 if pipe.family == "sdxl" else 1024)
 
 
+def model_summary(pipe: Any) -> str:
+    """The model's family and the settings the page starts from, which follow the model (Turbo: 1 step, no guidance)."""
+    d = pipe.defaults
+    family = getattr(pipe, "label", None) or pipe.family
+    return (
+        f"**{family}** · defaults: {d['width']}×{d['height']}, {d['num_inference_steps']} steps, "
+        f"guidance {d['guidance_scale']:g}, {d['scheduler']}"
+    )
+
+
 # ---- input checks: raw values in (the API sends anything), engine arguments out ----------
 
 
@@ -301,6 +311,7 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
 
     with gr.Blocks(title="jax-sd", analytics_enabled=False) as demo:
         gr.Markdown("# jax-sd\nStable Diffusion text-to-image in JAX.")
+        gr.Markdown(model_summary(pipe), elem_id="model")
         status = gr.Markdown(_status(pipe, warmup), elem_id="status")
         with gr.Row():
             with gr.Column(scale=2):

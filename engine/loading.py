@@ -1,4 +1,8 @@
-"""A diffusers-format folder -> configs, tokenizer, scheduler config and one param tree on the host.
+"""A diffusers-format folder -> configs, tokenizers, scheduler config and one param tree on the host.
+
+The family comes from `model_index.json`: "sd" (SD 1.x/2.x: one CLIP encoder) or "sdxl" (two
+encoders, `text_time` conditioning). Generation defaults follow the family, and Turbo (few-step,
+guidance-free) folders get their own.
 
 An optional `jax_sd.json` beside `model_index.json` carries generation defaults and example
 prompts for a model (the embedded default uses it); diffusers ignores that file.
@@ -6,28 +10,37 @@ prompts for a model (the embedded default uses it); diffusers ignores that file.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
+from . import sdxl
 from .clip import CLIPTextModel
 from .config import CLIPTextConfig, UNetConfig, VAEConfig
 from .pipeline import Models, Plan
-from .schedulers import SchedulerConfig
+from .schedulers import SCHEDULERS, SchedulerConfig
 from .sources import ModelFolder, resolve
 from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
-from .weights import convert, read_safetensors
+from .weights import convert, read_safetensors, rename_legacy
 
+# The scheduler here is a fallback: a folder's own scheduler class, when we have it, comes first.
 FAMILY_DEFAULTS = {
-    "sd": {"num_inference_steps": 50, "guidance_scale": 7.5},
-    "sdxl": {"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},
+    "sd": {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"},
+    "sdxl": {"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU write-up
 }
+# Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
+TURBO_DEFAULTS = {"num_inference_steps": 1, "guidance_scale": 0.0}
+FAMILY_LABELS = {"sd": "Stable Diffusion", "sdxl": "Stable Diffusion XL"}
+TEXT_ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
+TOKENIZERS = {"sd": ("tokenizer",), "sdxl": ("tokenizer", "tokenizer_2")}
 
 
 class Tokenizer:
@@ -58,10 +71,13 @@ class LoadedModel:
     unet_config: UNetConfig
     vae_config: VAEConfig
     scheduler_config: SchedulerConfig
-    tokenizers: list[Tokenizer]
+    tokenizers: list[Tokenizer]  # one per text encoder
     defaults: dict[str, Any]
+    label: str = ""  # for people: "Stable Diffusion XL Turbo"
     example_prompts: list[str] = field(default_factory=list)
-    extra_inputs: Callable[[Plan], dict] = lambda plan: {}
+    max_clip_skip: int = 0
+    # The family's per-image inputs besides token ids, from the plan and the negative prompt.
+    extra_inputs: Callable[[Plan, str], dict] = lambda plan, negative_prompt: {}
 
     @property
     def vae_scale_factor(self) -> int:
@@ -72,16 +88,30 @@ class LoadedModel:
         return self.unet_config.in_channels
 
     def tokenize(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        ids, warnings = self.tokenizers[0](text, what)
-        return ids, warnings
+        """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL)."""
+        rows, warnings = [], []
+        for tokenizer in self.tokenizers:
+            ids, notes = tokenizer(text, what)
+            rows.append(ids)
+            warnings += [note for note in notes if note not in warnings]  # both cut at 77 tokens: say it once
+        return (rows[0] if len(rows) == 1 else np.stack(rows, axis=1)), warnings
+
+
+def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
+    """Turbo folders ship a "trailing" schedule (zero-SNR models do too, with many steps; not those)."""
+    trailing = scheduler.timestep_spacing == "trailing" and not scheduler.rescale_betas_zero_snr
+    return trailing or "turbo" in folder.name.lower()
 
 
 def _defaults(
     folder: ModelFolder, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
     side = (unet.sample_size or 64) * 2 ** (len(vae.block_out_channels) - 1)
-    defaults = {"height": side, "width": side, "scheduler": scheduler.default_kind or "pndm"}
-    defaults.update(FAMILY_DEFAULTS[folder.family])
+    defaults = {"height": side, "width": side, **FAMILY_DEFAULTS[folder.family]}
+    if scheduler.default_kind in SCHEDULERS:
+        defaults["scheduler"] = scheduler.default_kind
+    if is_turbo(folder, scheduler):
+        defaults.update(TURBO_DEFAULTS)
     extra_path = folder.root / "jax_sd.json"
     extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
     defaults.update(
@@ -97,32 +127,48 @@ def _defaults(
 def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     variant = "fp16" if dtype in ("float16", "bfloat16") else None
     folder = resolve(source, variant)
-    if folder.family != "sd":
-        raise NotImplementedError(f"{folder.name}: {folder.family} models are not supported yet")
+    family = folder.family
     unet_cfg = UNetConfig.from_json(folder.component("unet") / "config.json")
     vae_cfg = VAEConfig.from_json(folder.component("vae") / "config.json")
-    clip_cfg = CLIPTextConfig.from_json(folder.component("text_encoder") / "config.json")
+    encoders = TEXT_ENCODERS[family]
+    clip_cfgs = [CLIPTextConfig.from_json(folder.component(name) / "config.json") for name in encoders]
+    if family == "sdxl":
+        sdxl.check_layout(unet_cfg, *clip_cfgs, where=folder.name)
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
     tensors = {}
-    for name in ("text_encoder", "unet", "vae"):
-        for key, value in read_safetensors(folder.weight_files(name, variant)).items():
+    for name in (*encoders, "unet", "vae"):
+        for key, value in rename_legacy(read_safetensors(folder.weight_files(name, variant))).items():
             tensors[f"{name}.{key}"] = value
 
     def make():
         rngs = nnx.Rngs(0)
-        return Models(CLIPTextModel(clip_cfg, rngs), UNet2DConditionModel(unet_cfg, rngs), AutoencoderKL(vae_cfg, rngs))
+        # SDXL's second encoder is `CLIPTextModelWithProjection`: its pooled output is projected.
+        clips = [CLIPTextModel(cfg, rngs, with_projection=i == 1) for i, cfg in enumerate(clip_cfgs)]
+        return Models(clips[0], UNet2DConditionModel(unet_cfg, rngs), AutoencoderKL(vae_cfg, rngs), *clips[1:])
 
     graphdef, params = convert(make, tensors, dtype, where=folder.name)
+    if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
+        params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
     defaults, examples = _defaults(folder, unet_cfg, vae_cfg, sched_cfg)
+    family_parts = {}
+    if family == "sdxl":
+        family_parts["extra_inputs"] = functools.partial(
+            sdxl.extra_inputs,
+            vae_scale_factor=2 ** (len(vae_cfg.block_out_channels) - 1),
+            force_zeros=bool(folder.index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True
+        )
     return LoadedModel(
         name=folder.name,
-        family=folder.family,
+        family=family,
         graphdef=graphdef,
         params=params,
         unet_config=unet_cfg,
         vae_config=vae_cfg,
         scheduler_config=sched_cfg,
-        tokenizers=[Tokenizer(folder.component("tokenizer"))],
+        tokenizers=[Tokenizer(folder.component(name)) for name in TOKENIZERS[family]],
         defaults=defaults,
+        label=FAMILY_LABELS[family] + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
         example_prompts=examples,
+        max_clip_skip=min(cfg.num_hidden_layers for cfg in clip_cfgs) - 1,
+        **family_parts,
     )

@@ -1,10 +1,12 @@
 """Text-to-image as one jitted function: encode the prompt, run the denoising loop, decode.
 
-Mirrors diffusers' `StableDiffusionPipeline.__call__` (and, through `Conditioner`, the SDXL
-pipeline): classifier-free guidance batches the unconditional and conditional halves into
-one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022).
-Everything a user changes per request (steps, guidance scale, seed, prompt) is a traced
-array; only shapes, the scheduler kind, `max_steps` and whether guidance is on are static.
+Mirrors diffusers' `StableDiffusionPipeline.__call__` and `StableDiffusionXLPipeline.__call__`;
+`ENCODERS` holds what differs by family, token ids -> UNet conditioning. Classifier-free guidance
+batches the unconditional and conditional halves into one UNet call,
+`noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022); with guidance off the
+unconditional half is not computed at all. Everything a user changes per request (steps,
+guidance scale, seed, prompt) is a traced array; only shapes, the scheduler kind, `max_steps`,
+whether guidance is on and `clip_skip` are static.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Plan:
     max_steps: int
     guidance: bool  # classifier-free guidance on (scale > 1): the UNet batch doubles
     family: str = "sd"
+    clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,42 @@ class Conditioning:
 jax.tree_util.register_dataclass(Conditioning, data_fields=["context", "text_embeds", "time_ids"], meta_fields=[])
 
 
-def encode_sd(models: Models, ids: jax.Array, extra: dict) -> Conditioning:
-    """SD 1.x/2.x: the last hidden state of one CLIP encoder."""
-    return Conditioning(models.text_encoder(ids).last_hidden_state)
+def encode_sd(models: Models, ids: jax.Array, extra: dict, plan: Plan, negative: bool) -> Conditioning:
+    """SD 1.x/2.x: the last hidden state of one CLIP encoder; ids [batch, 77].
+
+    With `clip_skip` k, the output of layer -(k + 1), still through `final_layer_norm`, as diffusers does.
+    """
+    out = models.text_encoder(ids)
+    if plan.clip_skip == 0:
+        return Conditioning(out.last_hidden_state)
+    return Conditioning(models.text_encoder.text_model.final_layer_norm(out.hidden_states[-(plan.clip_skip + 1)]))
 
 
-ENCODERS: dict[str, Callable[[Models, jax.Array, dict], Conditioning]] = {"sd": encode_sd}
+def encode_sdxl(models: Models, ids: jax.Array, extra: dict, plan: Plan, negative: bool) -> Conditioning:
+    """SDXL: both encoders' penultimate hidden states side by side, and the second's projected pooled output.
+
+    ids [batch, 2, 77]: one row per tokenizer. extra: "time_ids" [batch, 6] f32 and "zero_negative"
+    [batch] bool, SDXL's `force_zeros_for_empty_prompt`: an empty negative prompt means no text at all,
+    zero embeddings rather than the embeddings of "". Unlike diffusers, which reads layer -2 for the
+    negative prompt whatever `clip_skip` says, both halves of the guidance batch skip the same layers.
+    """
+    layer = -(plan.clip_skip + 2)  # SDXL always reads the penultimate layer; clip_skip goes further back
+    first, second = models.text_encoder(ids[:, 0]), models.text_encoder_2(ids[:, 1])
+    context = jnp.concatenate(
+        [first.hidden_states[layer], second.hidden_states[layer]], axis=-1
+    )  # [batch, 77, d1 + d2]
+    pooled = second.pooled  # [batch, projection_dim]
+    if negative:
+        zero = extra["zero_negative"]
+        context = jnp.where(zero[:, None, None], 0.0, context).astype(context.dtype)
+        pooled = jnp.where(zero[:, None], 0.0, pooled).astype(pooled.dtype)
+    return Conditioning(context, pooled, extra["time_ids"])
+
+
+ENCODERS: dict[str, Callable[[Models, jax.Array, dict, Plan, bool], Conditioning]] = {
+    "sd": encode_sd,
+    "sdxl": encode_sdxl,
+}
 
 
 def _pair(uncond, cond):
@@ -100,14 +133,15 @@ def generate(
     guidance_scale: jax.Array,
     progress: Callable[[jax.Array], None] | None = None,
 ) -> jax.Array:
-    """ids, neg_ids [batch, 77] int32; latents [batch, h, w, c] f32 unscaled noise; seeds [batch] uint32.
+    """ids, neg_ids int32 [batch, 77], or [batch, encoders, 77] for SDXL; extra: the family's other
+    per-image inputs (SDXL: time ids); latents [batch, h, w, c] f32 unscaled noise; seeds [batch] uint32.
 
     Returns images [batch, H, W, 3] in [0, 1], f32. Jit with `plan` (and `progress`) static.
     """
     models: Models = nnx.merge(graphdef, params)
     encode = ENCODERS[plan.family]
-    cond = encode(models, ids, extra)
-    uncond = encode(models, neg_ids, extra) if plan.guidance else None
+    cond = encode(models, ids, extra, plan, False)
+    uncond = encode(models, neg_ids, extra, plan, True) if plan.guidance else None  # guidance off: never computed
     context = _pair(uncond.context, cond.context) if plan.guidance else cond.context
     text_embeds = _pair(uncond.text_embeds, cond.text_embeds) if plan.guidance else cond.text_embeds
     time_ids = _pair(uncond.time_ids, cond.time_ids) if plan.guidance else cond.time_ids
@@ -136,7 +170,9 @@ def generate(
     x = latents.astype(jnp.float32) * tables.init_noise_sigma
     x, _ = jax.lax.fori_loop(0, tables.num_loop_steps, body, (x, schedulers.init_state(kind, x)))
     vae_cfg = models.vae.config
-    if vae_cfg.shift_factor is not None:
+    if vae_cfg.latents_mean is not None and vae_cfg.latents_std is not None:  # as diffusers' SDXL pipeline
+        x = x * jnp.asarray(vae_cfg.latents_std) / vae_cfg.scaling_factor + jnp.asarray(vae_cfg.latents_mean)
+    elif vae_cfg.shift_factor is not None:
         x = x / vae_cfg.scaling_factor + vae_cfg.shift_factor
     else:
         x = x / vae_cfg.scaling_factor

@@ -69,7 +69,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel, devices: list[jax.Device] | None = None, images_per_device: int = 1):
         self.model = model
-        self.family = model.family
+        self.family = model.family  # "sd" or "sdxl"
+        self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
         self.schedulers = schedulers.SCHEDULERS
         self.max_steps = MAX_STEPS
@@ -90,7 +91,7 @@ class Engine:
         self.compile_count = 0
 
     # -- validation ---------------------------------------------------------------------
-    def _check(self, prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler):
+    def _check(self, prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler, clip_skip):
         if not isinstance(prompt, str) or not isinstance(negative_prompt, str):
             raise InvalidRequest("prompt and negative prompt must be text")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
@@ -112,12 +113,16 @@ class Engine:
             raise InvalidRequest(f"number of images must be from 1 to 64, got {num_images!r}")
         if scheduler not in self.schedulers:
             raise InvalidRequest(f"unknown scheduler {scheduler!r}; choose one of {', '.join(self.schedulers)}")
+        top = self.model.max_clip_skip
+        if isinstance(clip_skip, bool) or not isinstance(clip_skip, (int, np.integer)) or not 0 <= clip_skip <= top:
+            raise InvalidRequest(f"clip_skip must be a whole number from 0 to {top}, got {clip_skip!r}")
 
     # -- compilation --------------------------------------------------------------------
-    def _plan(self, num_images, height, width, scheduler, guidance) -> Plan:
+    def _plan(self, num_images, height, width, scheduler, guidance, clip_skip) -> Plan:
         factor, n_dev = self.model.vae_scale_factor, len(self._devices)
         batch = -(-num_images // n_dev) * n_dev  # pad up to a multiple of the device count
-        return Plan(batch, height // factor, width // factor, scheduler, self.max_steps, guidance > 1.0, self.family)
+        latent_h, latent_w, steps = height // factor, width // factor, self.max_steps
+        return Plan(batch, latent_h, latent_w, scheduler, steps, guidance > 1.0, self.family, int(clip_skip))
 
     def _report(self, i) -> None:
         if self._progress is not None:
@@ -139,9 +144,9 @@ class Engine:
     ):
         ids, warnings = self.model.tokenize(prompt)
         neg_ids, neg_warnings = self.model.tokenize(negative_prompt, what="negative prompt")
-        ids = np.broadcast_to(ids, (plan.batch, ids.shape[-1]))
-        neg_ids = np.broadcast_to(neg_ids, (plan.batch, neg_ids.shape[-1]))
-        extra = self.model.extra_inputs(plan)
+        ids = np.broadcast_to(ids, (plan.batch, *ids.shape[1:]))  # [batch, 77] or [batch, encoders, 77]
+        neg_ids = np.broadcast_to(neg_ids, (plan.batch, *neg_ids.shape[1:]))
+        extra = self.model.extra_inputs(plan, negative_prompt)
         seeds_dev = jax.device_put(seeds, self._batch)
         if latents is None:
             shape = (plan.latent_height, plan.latent_width, self.model.latent_channels)
@@ -190,7 +195,9 @@ class Engine:
         scheduler: str | None = None,
         latents: np.ndarray | None = None,
         progress: Callable[[int, int], None] | None = None,
+        clip_skip: int = 0,
     ) -> GenerationResult:
+        """One batch of images. `clip_skip` k reads the text encoders k layers before their usual output."""
         d = self.defaults
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         guidance = d["guidance_scale"] if guidance_scale is None else guidance_scale
@@ -198,8 +205,8 @@ class Engine:
         width = d["width"] if width is None else width
         num_images = len(self._devices) * self.images_per_device if num_images is None else num_images
         scheduler = d["scheduler"] if scheduler is None else scheduler
-        self._check(prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler)
-        plan = self._plan(num_images, height, width, scheduler, float(guidance))
+        self._check(prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler, clip_skip)
+        plan = self._plan(num_images, height, width, scheduler, float(guidance), clip_skip)
         seeds = (np.arange(plan.batch, dtype=np.uint64) + int(seed)) % SEED_LIMIT
         if latents is not None:
             want = (num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
