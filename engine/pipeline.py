@@ -1,4 +1,4 @@
-"""Text-to-image as one jitted function: encode the prompt, run the denoising loop, decode.
+"""Text-to-image as three jitted functions: encode the prompts, run the denoising loop, decode.
 
 Mirrors diffusers' `StableDiffusionPipeline.__call__` and `StableDiffusionXLPipeline.__call__`;
 `ENCODERS` holds what differs by family, token ids -> UNet conditioning. Classifier-free guidance
@@ -120,7 +120,7 @@ def initial_latents(seeds: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return jax.vmap(lambda k: jax.random.normal(k, shape, jnp.float32))(image_keys(seeds))
 
 
-def generate(
+def prepare(
     plan: Plan,
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -128,23 +128,42 @@ def generate(
     neg_ids: jax.Array,
     extra: dict[str, Any],
     latents: jax.Array,
-    seeds: jax.Array,
     tables: schedulers.Tables,
-    guidance_scale: jax.Array,
-    progress: Callable[[jax.Array], None] | None = None,
-) -> jax.Array:
-    """ids, neg_ids int32 [batch, 77], or [batch, encoders, 77] for SDXL; extra: the family's other
-    per-image inputs (SDXL: time ids); latents [batch, h, w, c] f32 unscaled noise; seeds [batch] uint32.
+) -> tuple[Conditioning, jax.Array, schedulers.State]:
+    """Encodes the prompts and scales the initial noise: the first of the three programs.
 
-    Returns images [batch, H, W, 3] in [0, 1], f32. Jit with `plan` (and `progress`) static.
+    ids, neg_ids int32 [batch, 77], or [batch, encoders, 77] for SDXL; extra: the family's other
+    per-image inputs (SDXL: time ids); latents [batch, h, w, c] f32 unscaled noise.
     """
     models: Models = nnx.merge(graphdef, params)
     encode = ENCODERS[plan.family]
     cond = encode(models, ids, extra, plan, False)
-    uncond = encode(models, neg_ids, extra, plan, True) if plan.guidance else None  # guidance off: never computed
-    context = _pair(uncond.context, cond.context) if plan.guidance else cond.context
-    text_embeds = _pair(uncond.text_embeds, cond.text_embeds) if plan.guidance else cond.text_embeds
-    time_ids = _pair(uncond.time_ids, cond.time_ids) if plan.guidance else cond.time_ids
+    if plan.guidance:  # guidance off: the unconditional half is never computed
+        uncond = encode(models, neg_ids, extra, plan, True)
+        cond = jax.tree.map(_pair, uncond, cond)
+    x = latents.astype(jnp.float32) * tables.init_noise_sigma
+    return cond, x, schedulers.init_state(plan.scheduler, x)
+
+
+def denoise(
+    plan: Plan,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cond: Conditioning,
+    x: jax.Array,
+    state: schedulers.State,
+    seeds: jax.Array,
+    tables: schedulers.Tables,
+    guidance_scale: jax.Array,
+    start: jax.Array,
+    stop: jax.Array,
+) -> tuple[jax.Array, schedulers.State]:
+    """Loop steps [start, stop) of the denoising loop; seeds [batch] uint32 (euler_a's per-step noise).
+
+    One call may run the whole loop; the engine splits it only to report progress, since a host
+    callback inside the loop would keep the program out of JAX's persistent compilation cache.
+    """
+    models: Models = nnx.merge(graphdef, params)
     keys = image_keys(seeds)
     kind = plan.scheduler
 
@@ -154,7 +173,7 @@ def generate(
         if plan.guidance:
             model_in = _pair(model_in, model_in)
         t = schedulers.timestep(tables, i)
-        out = models.unet(model_in, t, context, text_embeds, time_ids).astype(jnp.float32)
+        out = models.unet(model_in, t, cond.context, cond.text_embeds, cond.time_ids).astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
             out = out[:, 0] + guidance_scale * (out[:, 1] - out[:, 0])
@@ -162,13 +181,14 @@ def generate(
         if kind == "euler_a":
             step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i + 1))(keys)
             noise = jax.vmap(lambda k: jax.random.normal(k, x.shape[1:], jnp.float32))(step_keys)
-        x, state = schedulers.step(kind, tables, state, i, out, x, noise)
-        if progress is not None:
-            jax.debug.callback(progress, i)
-        return x, state
+        return schedulers.step(kind, tables, state, i, out, x, noise)
 
-    x = latents.astype(jnp.float32) * tables.init_noise_sigma
-    x, _ = jax.lax.fori_loop(0, tables.num_loop_steps, body, (x, schedulers.init_state(kind, x)))
+    return jax.lax.fori_loop(start, stop, body, (x, state))
+
+
+def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
+    """Latents -> images [batch, H, W, 3] in [0, 1], f32: the last of the three programs."""
+    models: Models = nnx.merge(graphdef, params)
     vae_cfg = models.vae.config
     if vae_cfg.latents_mean is not None and vae_cfg.latents_std is not None:  # as diffusers' SDXL pipeline
         x = x * jnp.asarray(vae_cfg.latents_std) / vae_cfg.scaling_factor + jnp.asarray(vae_cfg.latents_mean)

@@ -24,9 +24,10 @@ from PIL import Image
 
 from . import schedulers
 from .loading import LoadedModel, load_model_folder
-from .pipeline import Plan, generate, initial_latents
+from .pipeline import Plan, decode, denoise, initial_latents, prepare
 
 MAX_STEPS = 150
+PROGRESS_UPDATES = 50  # at most this many progress reports (and loop calls) per request
 MAX_SIDE = 2048
 SEED_LIMIT = 2**32
 
@@ -83,10 +84,8 @@ class Engine:
         self._batch = NamedSharding(self.mesh, P("data"))
         self.params = jax.device_put(model.params, self._replicated)
         self.defaults = dict(model.defaults)
-        self._compiled: dict[Plan, Callable] = {}
+        self._compiled: dict[tuple[Plan, str], Callable] = {}
         self._lock = threading.Lock()  # one generation at a time: the devices are shared
-        self._progress: Callable[[int, int], None] | None = None
-        self._total_steps = 0
         self._noise = jax.jit(initial_latents, static_argnums=1, out_shardings=self._batch)
         self.compile_count = 0
 
@@ -124,20 +123,47 @@ class Engine:
         latent_h, latent_w, steps = height // factor, width // factor, self.max_steps
         return Plan(batch, latent_h, latent_w, scheduler, steps, guidance > 1.0, self.family, int(clip_skip))
 
-    def _report(self, i) -> None:
-        if self._progress is not None:
-            self._progress(int(i) + 1, self._total_steps)
+    def _compiled_call(self, plan: Plan, name: str, fn: Callable, *args):
+        """Runs stage `name` of `plan`, compiling it ahead of time on first use; returns (outputs, seconds compiling)."""
+        program = self._compiled.get((plan, name))
+        compile_s = 0.0
+        if program is None:
+            start = time.perf_counter()
+            program = jax.jit(fn, static_argnums=(0, 1)).lower(plan, self.model.graphdef, *args).compile()
+            self._compiled[(plan, name)] = program
+            compile_s = time.perf_counter() - start
+        return program(*args), compile_s
 
-    def _program(self, plan: Plan, args) -> tuple[Callable, float]:
-        program = self._compiled.get(plan)
-        if program is not None:
-            return program, 0.0
-        start = time.perf_counter()
-        fn = jax.jit(generate, static_argnums=(0, 1, 10), out_shardings=self._batch)
-        program = fn.lower(plan, self.model.graphdef, *args, self._report).compile()
-        self._compiled[plan] = program
-        self.compile_count += 1
-        return program, time.perf_counter() - start
+    def _run(self, plan: Plan, args, progress: Callable[[int, int], None] | None) -> tuple[np.ndarray, float]:
+        """prepare -> denoise (in chunks when reporting progress) -> decode; returns images and compile seconds."""
+        params, ids, neg_ids, extra, latents, seeds, tables, guidance = args
+        if (plan, "prepare") not in self._compiled:
+            self.compile_count += 1  # counts plans: each compiles its three programs once
+        (cond, x, state), c1 = self._compiled_call(
+            plan, "prepare", prepare, params, ids, neg_ids, extra, latents, tables
+        )
+        total = int(tables.num_loop_steps)
+        # Without progress the loop is one call; with it, at most PROGRESS_UPDATES calls, each
+        # queued before waiting on the one before, so the device never waits for the host.
+        chunk = total if progress is None else -(-total // PROGRESS_UPDATES)
+        bounds = [*range(0, total, chunk), total]
+        compile_s, pending = c1, None
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            a, b = (jax.device_put(np.int32(v), self._replicated) for v in (a, b))
+            (x, state), c2 = self._compiled_call(
+                plan, "denoise", denoise, params, cond, x, state, seeds, tables, guidance, a, b
+            )
+            compile_s += c2
+            if progress is not None:
+                if pending is not None:
+                    pending[0].block_until_ready()
+                    progress(pending[1], total)
+                pending = (x, int(b))
+        images, c3 = self._compiled_call(plan, "decode", decode, params, x)
+        if pending is not None:
+            pending[0].block_until_ready()
+            progress(pending[1], total)
+        return np.asarray(images), compile_s + c3
 
     def _inputs(
         self, plan: Plan, prompt: str, negative_prompt: str, seeds: np.ndarray, steps: int, guidance: float, latents
@@ -154,7 +180,6 @@ class Engine:
         else:
             latents = jax.device_put(latents, self._batch)
         tables = schedulers.tables(self.model.scheduler_config, plan.scheduler, steps, plan.max_steps)
-        self._total_steps = int(tables.num_loop_steps)
         put = lambda x: jax.device_put(x, self._batch)  # noqa: E731
         args = (
             self.params,
@@ -170,16 +195,16 @@ class Engine:
 
     # -- the public face ----------------------------------------------------------------
     def warmup(self, num_images: int | None = None, height: int | None = None, width: int | None = None) -> float:
-        """Compiles the default shapes (and guidance on) ahead of the first request; returns seconds."""
+        """Compiles the default shapes ahead of the first request, with guidance on and off; returns seconds.
+
+        Guidance on (scale > 1) and off are two programs, so both are built: moving the guidance
+        slider across 1 must not compile while a user waits.
+        """
         start = time.perf_counter()
-        self.generate(
-            "",
-            num_inference_steps=1,
-            num_images=num_images,
-            height=height,
-            width=width,
-            guidance_scale=self.defaults["guidance_scale"],
-        )
+        for guidance in (self.defaults["guidance_scale"], 1.0 if self.defaults["guidance_scale"] > 1 else 7.5):
+            self.generate(
+                "", num_inference_steps=1, num_images=num_images, height=height, width=width, guidance_scale=guidance
+            )
         return time.perf_counter() - start
 
     def generate(
@@ -223,14 +248,10 @@ class Engine:
             args, warnings = self._inputs(
                 plan, prompt, negative_prompt, seeds.astype(np.uint32), steps, float(guidance), latents
             )
-            program, compile_s = self._program(plan, args)
             run_start = time.perf_counter()
-            self._progress = progress
-            try:
-                images = np.asarray(program(*args))[:num_images]
-            finally:
-                self._progress = None
-            run_s = time.perf_counter() - run_start
+            images, compile_s = self._run(plan, args, progress)
+            images = images[:num_images]
+            run_s = time.perf_counter() - run_start - compile_s
         per_device = plan.batch // len(self._devices)
         return GenerationResult(
             images=[Image.fromarray(np.round(img * 255).astype(np.uint8)) for img in images],

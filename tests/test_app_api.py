@@ -326,12 +326,13 @@ def test_a_full_queue_refuses_with_a_message_and_serving_goes_on(client):
 
 
 def test_the_compiled_program_is_kept_on_disk(client, request, tmp_path_factory):
-    # A restart finds the denoising program (the engine's jitted `generate`) in JAX's
-    # persistent cache instead of compiling it again.
+    # A restart finds the engine's three programs (prepare, denoise, decode) in JAX's
+    # persistent cache instead of compiling them again.
     call(client, seed=2)
     cache = shared_app(request, tmp_path_factory).log_path.parent / "xla-cache"
     entries = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
-    assert any(name.startswith("jit_generate") for name in entries), f"not in the persistent cache: {entries}"
+    for program in ("jit_prepare", "jit_denoise", "jit_decode"):
+        assert any(name.startswith(program) for name in entries), f"{program} not in the persistent cache: {entries}"
 
 
 def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):

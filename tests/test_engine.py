@@ -180,3 +180,10 @@ def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
     assert eight.shape == one.arrays.shape  # the default is one image per device
     np.testing.assert_allclose(eight, one.arrays, atol=1e-4)
     assert (tmp_path / "devices.txt").read_text().split(",") == [f"cpu:{i}" for i in range(8)]
+
+
+def test_warmup_builds_guidance_on_and_off(tmp_path):
+    pipe = load_pipeline()
+    pipe.warmup()
+    for guidance in (0.0, 1.0, 3.0, 7.5):
+        assert not pipe.generate("a", guidance_scale=guidance, num_inference_steps=2).compiled
