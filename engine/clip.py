@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import CLIPTextConfig
-from .layers import linear
+from .layers import embed, layer_norm, linear
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:
@@ -54,9 +54,9 @@ class CLIPMLP(nnx.Module):
 class CLIPEncoderLayer(nnx.Module):
     def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
         eps = cfg.layer_norm_eps
-        self.layer_norm1 = nnx.LayerNorm(cfg.hidden_size, epsilon=eps, rngs=rngs)
+        self.layer_norm1 = layer_norm(cfg.hidden_size, eps, rngs)
         self.self_attn = CLIPAttention(cfg, rngs)
-        self.layer_norm2 = nnx.LayerNorm(cfg.hidden_size, epsilon=eps, rngs=rngs)
+        self.layer_norm2 = layer_norm(cfg.hidden_size, eps, rngs)
         self.mlp = CLIPMLP(cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -66,8 +66,8 @@ class CLIPEncoderLayer(nnx.Module):
 
 class CLIPEmbeddings(nnx.Module):
     def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
-        self.token_embedding = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-        self.position_embedding = nnx.Embed(cfg.max_position_embeddings, cfg.hidden_size, rngs=rngs)
+        self.token_embedding = embed(cfg.vocab_size, cfg.hidden_size, rngs)
+        self.position_embedding = embed(cfg.max_position_embeddings, cfg.hidden_size, rngs)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return self.token_embedding(ids) + self.position_embedding(jnp.arange(ids.shape[1]))[None]
@@ -82,7 +82,7 @@ class CLIPTextTransformer(nnx.Module):
     def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
         self.embeddings = CLIPEmbeddings(cfg, rngs)
         self.encoder = CLIPEncoder(cfg, rngs)
-        self.final_layer_norm = nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, rngs=rngs)
+        self.final_layer_norm = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, rngs)
 
 
 class TextOutput(NamedTuple):

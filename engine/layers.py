@@ -8,6 +8,8 @@ Mirrors diffusers' `ResnetBlock2D`, `Attention`, `BasicTransformerBlock`, `Trans
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -15,19 +17,52 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+_SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Builds modules whose parameters are `jax.ShapeDtypeStruct`s: the expected tree, with no init.
+
+    Cheaper than `nnx.eval_shape`, whose tracing cost grows with the square of the parameter
+    count (over a minute for the SDXL UNet).
+    """
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def _shape(key, shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _inits(*names: str) -> dict:
+    return dict.fromkeys(names, _shape) if _SHAPES_ONLY.get() else {}
+
 
 def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs)
+    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, **_inits("kernel_init", "bias_init"))
 
 
 def conv(in_ch: int, out_ch: int, kernel: int, rngs: nnx.Rngs, stride: int = 1, padding=None) -> nnx.Conv:
     pad = kernel // 2 if padding is None else padding
     pad = ((pad, pad), (pad, pad)) if isinstance(pad, int) else pad
-    return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=pad, rngs=rngs)
+    inits = _inits("kernel_init", "bias_init")
+    return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=pad, rngs=rngs, **inits)
 
 
 def group_norm(channels: int, groups: int, eps: float, rngs: nnx.Rngs) -> nnx.GroupNorm:
-    return nnx.GroupNorm(channels, num_groups=groups, epsilon=eps, rngs=rngs)
+    return nnx.GroupNorm(channels, num_groups=groups, epsilon=eps, rngs=rngs, **_inits("scale_init", "bias_init"))
+
+
+def layer_norm(channels: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(channels, epsilon=eps, rngs=rngs, **_inits("scale_init", "bias_init"))
+
+
+def embed(count: int, features: int, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(count, features, rngs=rngs, **_inits("embedding_init"))
 
 
 class Identity(nnx.Module):
@@ -107,11 +142,11 @@ class BasicTransformerBlock(nnx.Module):
     """Self-attention, cross-attention to the text, GEGLU feed-forward; pre-LayerNorm each."""
 
     def __init__(self, dim: int, heads: int, dim_head: int, cross_dim: int, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.norm1 = layer_norm(dim, 1e-5, rngs)
         self.attn1 = Attention(dim, heads, dim_head, rngs)
-        self.norm2 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.norm2 = layer_norm(dim, 1e-5, rngs)
         self.attn2 = Attention(dim, heads, dim_head, rngs, cross_dim=cross_dim)
-        self.norm3 = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.norm3 = layer_norm(dim, 1e-5, rngs)
         self.ff = FeedForward(dim, rngs)
 
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 Our module attribute paths equal the checkpoint keys, so a parameter's name is its path
 joined by dots with the Flax leaf name translated (`kernel`/`scale`/`embedding` -> `weight`).
 Layouts differ by rank only: conv kernels OIHW -> HWIO, linear kernels [out, in] -> [in, out].
-The expected tree comes from `nnx.eval_shape`, never from a random init. Missing,
+The expected tree is built with shape-only initializers, never from a random init. Missing,
 unexpected and mis-shaped tensors are fatal and reported together.
 """
 
@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
+
+from .layers import shapes_only
 
 LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -73,7 +75,8 @@ def convert(
     make_model: Callable[[], nnx.Module], tensors: Mapping[str, np.ndarray], dtype=np.float32, where: str = "model"
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Returns the model's graph and a state of host numpy arrays in `dtype`, ready for device_put."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    with shapes_only():
+        graphdef, abstract = nnx.split(make_model())
     tensors = {k: v for k, v in rename_legacy(tensors).items() if not IGNORED.search(k)}
     flat, seen, missing, misshaped = [], set(), [], []
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype in ("bfloat16", jax.numpy.bfloat16) else np.dtype(dtype)
