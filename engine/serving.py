@@ -123,13 +123,19 @@ class Engine:
         latent_h, latent_w, steps = height // factor, width // factor, self.max_steps
         return Plan(batch, latent_h, latent_w, scheduler, steps, guidance > 1.0, self.family, int(clip_skip))
 
-    def _compiled_call(self, plan: Plan, name: str, fn: Callable, *args):
+    @property
+    def compiled_plans(self) -> list[Plan]:
+        """The static shapes compiled so far, oldest first."""
+        return [plan for plan, stage in self._compiled if stage == "prepare"]
+
+    def _compiled_call(self, plan: Plan, name: str, fn: Callable, *args, out_shardings=None):
         """Runs stage `name` of `plan`, compiling it ahead of time on first use; returns (outputs, seconds compiling)."""
         program = self._compiled.get((plan, name))
         compile_s = 0.0
         if program is None:
             start = time.perf_counter()
-            program = jax.jit(fn, static_argnums=(0, 1)).lower(plan, self.model.graphdef, *args).compile()
+            jitted = jax.jit(fn, static_argnums=(0, 1), out_shardings=out_shardings)
+            program = jitted.lower(plan, self.model.graphdef, *args).compile()
             self._compiled[(plan, name)] = program
             compile_s = time.perf_counter() - start
         return program(*args), compile_s
@@ -150,8 +156,22 @@ class Engine:
         compile_s, pending = c1, None
         for a, b in zip(bounds, bounds[1:], strict=False):
             a, b = (jax.device_put(np.int32(v), self._replicated) for v in (a, b))
+            # The loop's outputs keep its inputs' layout, so that each chunk feeds the next one.
+            carry_shardings = jax.tree.map(lambda v: v.sharding, (x, state))
             (x, state), c2 = self._compiled_call(
-                plan, "denoise", denoise, params, cond, x, state, seeds, tables, guidance, a, b
+                plan,
+                "denoise",
+                denoise,
+                params,
+                cond,
+                x,
+                state,
+                seeds,
+                tables,
+                guidance,
+                a,
+                b,
+                out_shardings=carry_shardings,
             )
             compile_s += c2
             if progress is not None:

@@ -170,7 +170,9 @@ def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
         from engine import load_pipeline
         pipe = load_pipeline()
         assert len(pipe.devices) == 8
-        result = pipe.generate("a red circle", seed=3, num_inference_steps=3, scheduler="euler_a")
+        steps = []  # with progress the loop runs in chunks, each fed by the one before
+        result = pipe.generate("a red circle", seed=3, num_inference_steps=3, scheduler="euler_a", progress=lambda i, n: steps.append(i))
+        assert steps == [1, 2, 3], steps
         np.save(OUT / "images.npy", result.arrays)
         (OUT / "devices.txt").write_text(",".join(result.devices))
         """,

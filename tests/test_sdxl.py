@@ -224,7 +224,7 @@ def test_turbo_runs_one_step_without_guidance(distilled):
     got = ours.generate(PROMPT, num_images=2, latents=start).arrays  # the folder's defaults: 1 step, guidance 0
     want = run_reference(reference, start, prompt=PROMPT, num_inference_steps=1, guidance_scale=0.0)
     assert np.abs(got - want).max() < TOLERANCE
-    assert [plan.guidance for plan in ours._compiled] == [False]  # one UNet batch: no unconditional half
+    assert [plan.guidance for plan in ours.compiled_plans] == [False]  # one UNet batch: no unconditional half
 
 
 def test_sd_turbo_folder_gets_turbo_defaults(tmp_path):
