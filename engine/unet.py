@@ -24,6 +24,16 @@ from .layers import (
 )
 
 
+def transformers(cfg: UNetConfig, ch: int, heads: int, cross: int, depth: int, count: int, rngs: nnx.Rngs) -> nnx.List:
+    """The `attentions` of a cross-attention block: one spatial transformer per resnet."""
+    return nnx.List(
+        [
+            Transformer2DModel(ch, heads, cross, depth, cfg.use_linear_projection, cfg.norm_num_groups, rngs)
+            for _ in range(count)
+        ]
+    )
+
+
 class DownBlock(nnx.Module):
     """`DownBlock2D` (resnets only) or `CrossAttnDownBlock2D` (a transformer after each resnet)."""
 
@@ -34,17 +44,17 @@ class DownBlock(nnx.Module):
         self.resnets = nnx.List(
             [ResnetBlock2D(in_ch if j == 0 else out_ch, out_ch, temb, groups, eps, rngs) for j in range(layers)]
         )
-        has_attention = cfg.down_block_types[index] == "CrossAttnDownBlock2D"
-        heads, cross = cfg.heads_per_block[index], cfg.per_block("cross_attention_dim")[index]
-        depth = cfg.per_block("transformer_layers_per_block")[index]
         self.attentions = (
-            nnx.List(
-                [
-                    Transformer2DModel(out_ch, heads, cross, depth, cfg.use_linear_projection, groups, rngs)
-                    for _ in range(layers)
-                ]
+            transformers(
+                cfg,
+                out_ch,
+                cfg.heads_per_block[index],
+                cfg.per_block("cross_attention_dim")[index],
+                cfg.per_block("transformer_layers_per_block")[index],
+                layers,
+                rngs,
             )
-            if has_attention
+            if cfg.down_block_types[index] == "CrossAttnDownBlock2D"
             else None
         )
         is_final = index == cfg.num_blocks - 1
@@ -80,16 +90,10 @@ class UpBlock(nnx.Module):
             res_in = prev_ch if j == 0 else out_ch
             resnets.append(ResnetBlock2D(res_in + skip_ch, out_ch, temb, groups, eps, rngs))
         self.resnets = nnx.List(resnets)
-        has_attention = cfg.up_block_types[index] == "CrossAttnUpBlock2D"
         heads, cross = tuple(reversed(cfg.heads_per_block))[index], rev("cross_attention_dim")[index]
         self.attentions = (
-            nnx.List(
-                [
-                    Transformer2DModel(out_ch, heads, cross, depth, cfg.use_linear_projection, groups, rngs)
-                    for _ in range(layers)
-                ]
-            )
-            if has_attention
+            transformers(cfg, out_ch, heads, cross, depth, layers, rngs)
+            if cfg.up_block_types[index] == "CrossAttnUpBlock2D"
             else None
         )
         is_final = index == cfg.num_blocks - 1
@@ -114,18 +118,14 @@ class MidBlock(nnx.Module):
         groups, eps, temb = cfg.norm_num_groups, cfg.norm_eps, cfg.time_embed_dim
         scale = cfg.mid_block_scale_factor
         self.resnets = nnx.List([ResnetBlock2D(ch, ch, temb, groups, eps, rngs, scale) for _ in range(2)])
-        self.attentions = nnx.List(
-            [
-                Transformer2DModel(
-                    ch,
-                    cfg.heads_per_block[-1],
-                    cfg.per_block("cross_attention_dim")[-1],
-                    cfg.per_block("transformer_layers_per_block")[-1],
-                    cfg.use_linear_projection,
-                    groups,
-                    rngs,
-                )
-            ]
+        self.attentions = transformers(
+            cfg,
+            ch,
+            cfg.heads_per_block[-1],
+            cfg.per_block("cross_attention_dim")[-1],
+            cfg.per_block("transformer_layers_per_block")[-1],
+            1,
+            rngs,
         )
 
     def __call__(self, x: jax.Array, temb: jax.Array, context: jax.Array) -> jax.Array:
