@@ -189,3 +189,14 @@ def test_warmup_builds_guidance_on_and_off(tmp_path):
     pipe.warmup()
     for guidance in (0.0, 1.0, 3.0, 7.5):
         assert not pipe.generate("a", guidance_scale=guidance, num_inference_steps=2).compiled
+
+
+def test_a_restart_loads_the_programs_from_the_disk_cache(tmp_path):
+    code = """
+        from engine import enable_compile_cache, load_pipeline
+        enable_compile_cache(OUT / "xla")
+        result = load_pipeline().generate("a", num_inference_steps=2, height=40, width=40)
+        print("compiled" if result.compiled else "loaded")
+        """
+    assert run_with_devices(1, code, tmp_path).split()[-1] == "compiled"
+    assert run_with_devices(1, code, tmp_path).split()[-1] == "loaded"  # a new process, the same cache
