@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from multidevice import run_with_devices
@@ -200,3 +201,13 @@ def test_a_restart_loads_the_programs_from_the_disk_cache(tmp_path):
         """
     assert run_with_devices(1, code, tmp_path).split()[-1] == "compiled"
     assert run_with_devices(1, code, tmp_path).split()[-1] == "loaded"  # a new process, the same cache
+
+
+def test_bf16_weights_draw_nearly_the_f32_picture(pipe):
+    # bf16 is the accelerator default: weights and activations in bf16, scheduler maths in f32.
+    half = load_pipeline(dtype="bfloat16")
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(half.params)} == {"bfloat16"}
+    want = pipe.generate("a red circle", num_inference_steps=10, seed=1).arrays
+    got = half.generate("a red circle", num_inference_steps=10, seed=1).arrays
+    assert got.dtype == np.float32
+    assert np.abs(got - want).mean() < 0.02 and np.abs(got - want).max() < 0.2
