@@ -23,9 +23,8 @@ from engine.config import CLIPTextConfig, UNetConfig, VAEConfig  # noqa: E402
 from engine.unet import UNet2DConditionModel  # noqa: E402
 from engine.vae import AutoencoderKL  # noqa: E402
 from engine.weights import export  # noqa: E402
+from tools.shapes import WORDS  # noqa: E402
 from tools.tiny_tokenizer import write_tokenizer  # noqa: E402
-
-WORDS = "a an the of on in with and red green blue yellow white black orange purple circle square triangle star background".split()
 
 UNET = UNetConfig(
     sample_size=8,
@@ -38,24 +37,26 @@ UNET = UNetConfig(
     norm_num_groups=8,
 )
 VAE = VAEConfig(
-    block_out_channels=(16, 32, 32, 32),
+    block_out_channels=(8, 16, 32, 32),
     down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4,
-    norm_num_groups=8,
+    norm_num_groups=1,
     layers_per_block=1,
     sample_size=64,
 )
+# SD 1.x's noise schedule; DDIM is the default sampler of the shipped model (diffusers loads it too).
 SCHEDULER = {
-    "_class_name": "PNDMScheduler",
+    "_class_name": "DDIMScheduler",
     "beta_start": 0.00085,
     "beta_end": 0.012,
     "beta_schedule": "scaled_linear",
     "num_train_timesteps": 1000,
-    "set_alpha_to_one": False,
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-    "trained_betas": None,
     "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+    "prediction_type": "epsilon",
+    "timestep_spacing": "leading",
+    "trained_betas": None,
 }
 
 

@@ -26,6 +26,24 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
+def _bpe(parts: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """CLIP's byte-pair merge loop: join the best-ranked adjacent pair everywhere until none is left."""
+    while len(parts) > 1:
+        best = min(zip(parts, parts[1:], strict=False), key=lambda pair: ranks.get(pair, len(ranks)))
+        if best not in ranks:
+            return parts
+        joined, i = [], 0
+        while i < len(parts):
+            if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
+                joined.append(parts[i] + parts[i + 1])
+                i += 2
+            else:
+                joined.append(parts[i])
+                i += 1
+        parts = joined
+    return parts
+
+
 def write_tokenizer(folder: str | Path, words: list[str], max_length: int = 77) -> int:
     """Writes the tokenizer files; returns the vocabulary size."""
     folder = Path(folder)
@@ -34,7 +52,10 @@ def write_tokenizer(folder: str | Path, words: list[str], max_length: int = 77) 
     vocab_list = chars + [c + "</w>" for c in chars]
     merges: list[tuple[str, str]] = []
     for word in sorted({w.lower() for w in words}):
-        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        # BPE applies the merges by rank, so first see what the merges so far make of this word
+        # (an earlier "and" merges "a n" inside "orange"), then join what is left, left to right;
+        # the new merges rank after every earlier one, so they cannot break an earlier word.
+        parts = _bpe(list(word[:-1]) + [word[-1] + "</w>"], {pair: i for i, pair in enumerate(merges)})
         while len(parts) > 1:
             pair = (parts[0], parts[1])
             merged = pair[0] + pair[1]
