@@ -53,7 +53,7 @@ class TrainConfig:
     vae_lr: float = 3e-3
     # Posterior noise the decoder must tolerate: 1e-4 gives sharp reconstructions from a brittle latent
     # code that the UNet cannot hit; 1e-2 made shapes come out twice as often at the same UNet budget.
-    kl_weight: float = 3e-2
+    kl_weight: float = 1e-2
     edge_weight: float = 4.0  # extra loss weight on pixels next to an edge (see edge_weights)
     unet_steps: int = 8000
     unet_batch: int = 32
