@@ -57,6 +57,8 @@ SCHEDULER = {
     "prediction_type": "epsilon",
     "timestep_spacing": "leading",
     "trained_betas": None,
+    # Read only when a user picks PNDM: its plain PLMS form, which is the one the engine runs.
+    "skip_prk_steps": True,
 }
 
 
