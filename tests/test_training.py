@@ -52,10 +52,10 @@ def test_edges_get_the_extra_weight():
 
 def test_a_checkpoint_restores_every_leaf(tmp_path):
     tree = {"params": {"w": jnp.arange(6.0).reshape(2, 3)}, "opt": (jnp.int32(5), [jnp.ones(4)])}
-    save_checkpoint(tmp_path / "c.npz", tree, 42)
+    save_checkpoint(tmp_path / "c.npz", tree, 42, 61.5)
     zeros = jax.tree.map(jnp.zeros_like, tree)
-    restored, step = load_checkpoint(tmp_path / "c.npz", zeros)
-    assert step == 42
+    restored, step, seconds = load_checkpoint(tmp_path / "c.npz", zeros)
+    assert (step, seconds) == (42, 61.5)
     assert jax.tree.structure(restored) == jax.tree.structure(tree)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(tree), strict=True):
         np.testing.assert_array_equal(a, b)

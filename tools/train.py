@@ -88,12 +88,19 @@ def log(message: str) -> None:
 
 
 class Progress:
-    """Logs the mean loss, steps per second and the time left, every `every` steps."""
+    """Logs the mean loss, steps per second and the time left, every `every` steps.
 
-    def __init__(self, name: str, total: int, start: int, every: int):
+    `seconds` is the stage's training time so far, across resumed runs (it is kept in the checkpoint).
+    """
+
+    def __init__(self, name: str, total: int, start: int, every: int, seconds: float = 0.0):
         self.name, self.total, self.every = name, total, every
         self.losses: list[float] = []
-        self.t0, self.s0 = time.perf_counter(), start
+        self.t0, self.s0, self.before = time.perf_counter(), start, seconds
+
+    @property
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.t0
 
     def step(self, step: int, loss) -> None:
         self.losses.append(float(loss))
@@ -108,22 +115,23 @@ class Progress:
         self.losses = []
 
 
-def save_checkpoint(path: Path, tree, step: int) -> None:
+def save_checkpoint(path: Path, tree, step: int, seconds: float) -> None:
     """Every leaf of `tree` (params, optimizer state, EMA) as one .npz, replaced atomically."""
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, step=step, **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))})
+    leaves = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+    np.savez(tmp, step=step, seconds=seconds, **leaves)
     os.replace(tmp, path)
 
 
 def load_checkpoint(path: Path, like):
-    """The tree saved at `path`, laid out as `like` (built from the same configs); and its step."""
+    """The tree saved at `path`, laid out as `like` (built from the same configs); its step and seconds."""
     data = np.load(path)
     leaves, treedef = jax.tree.flatten(like)
-    saved = [data[f"leaf_{i}"] for i in range(len(data.files) - 1)]
+    saved = [data[f"leaf_{i}"] for i in range(sum(name.startswith("leaf_") for name in data.files))]
     shapes_differ = [i for i, (a, b) in enumerate(zip(leaves, saved, strict=False)) if a.shape != b.shape]
     if len(saved) != len(leaves) or shapes_differ:
         raise ValueError(f"{path} was written for other model or optimizer shapes; start without --resume")
-    return treedef.unflatten([jnp.asarray(x) for x in saved]), int(data["step"])
+    return treedef.unflatten([jnp.asarray(x) for x in saved]), int(data["step"]), float(data["seconds"])
 
 
 def scene_rng(seed: int, stage: int, step: int) -> np.random.Generator:
@@ -155,7 +163,7 @@ def vae_loss(model: AutoencoderKL, images: jax.Array, key: jax.Array, kl_weight:
     return jnp.mean(weights * (jnp.abs(error) + error**2)) + kl_weight * kl
 
 
-def train_vae(cfg: TrainConfig, work: Path, resume: bool) -> AutoencoderKL:
+def train_vae(cfg: TrainConfig, work: Path, resume: bool) -> tuple[AutoencoderKL, float]:
     vae = AutoencoderKL(VAE, nnx.Rngs(cfg.seed))
     # Start the posterior narrow (std e^-3): at the default log-variance 0 the sampled latent is
     # mostly noise, and Adam's lr-sized steps take thousands of steps to walk the bias down.
@@ -164,9 +172,9 @@ def train_vae(cfg: TrainConfig, work: Path, resume: bool) -> AutoencoderKL:
     tx = optax.adamw(schedule(cfg.vae_lr, cfg.warmup_steps, cfg.vae_steps), weight_decay=0.0)
     graphdef, params = nnx.split(vae)
     ckpt = work / "vae.npz"
-    state, start = {"params": params, "opt": tx.init(params)}, 0
+    state, start, seconds = {"params": params, "opt": tx.init(params)}, 0, 0.0
     if resume and ckpt.exists():
-        state, start = load_checkpoint(ckpt, state)
+        state, start, seconds = load_checkpoint(ckpt, state)
         log(f"vae: resumed at step {start}")
 
     @jax.jit
@@ -178,14 +186,14 @@ def train_vae(cfg: TrainConfig, work: Path, resume: bool) -> AutoencoderKL:
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
     key = jax.random.PRNGKey(cfg.seed)
-    progress = Progress("vae", cfg.vae_steps, start, cfg.log_every)
+    progress = Progress("vae", cfg.vae_steps, start, cfg.log_every, seconds)
     for step in range(start + 1, cfg.vae_steps + 1):
         images, _ = shapes.batch(scene_rng(cfg.seed, 1, step), cfg.vae_batch)
         state, loss = update(state, jnp.asarray(images), jax.random.fold_in(key, step))
         progress.step(step, loss)
         if step % cfg.checkpoint_every == 0 or step == cfg.vae_steps:
-            save_checkpoint(ckpt, state, step)
-    return nnx.merge(graphdef, state["params"])
+            save_checkpoint(ckpt, state, step, progress.seconds)
+    return nnx.merge(graphdef, state["params"]), progress.seconds
 
 
 # ---- stage 2: the UNet and the text encoder ----------------------------------------------------
@@ -199,13 +207,15 @@ class Pool:
     std: np.ndarray  # [n, 8, 8, 4]
     ids: np.ndarray  # [n, 77] int32
     scaling_factor: float
+    seconds: float  # time it took to encode
 
 
 def encode_pool(cfg: TrainConfig, vae: AutoencoderKL, tokenizer: Tokenizer, work: Path, resume: bool) -> Pool:
     path = work / "pool.npz"
     if resume and path.exists():
         data = np.load(path)
-        return Pool(data["mean"], data["std"], data["ids"], float(data["scaling_factor"]))
+        return Pool(data["mean"], data["std"], data["ids"], float(data["scaling_factor"]), float(data["seconds"]))
+    start = time.perf_counter()
     encode = nnx.jit(lambda m, x: m.encode(x))
     means, stds, ids, cache = [], [], [], {}
     chunk = 256
@@ -220,8 +230,8 @@ def encode_pool(cfg: TrainConfig, vae: AutoencoderKL, tokenizer: Tokenizer, work
             ids.append(cache[c])
     mean, std = np.concatenate(means), np.concatenate(stds)
     samples = mean + std * np.random.default_rng(cfg.seed).standard_normal(mean.shape, dtype=np.float32)
-    pool = Pool(mean, std, np.stack(ids).astype(np.int32), float(1.0 / samples.std()))
-    np.savez(path, mean=pool.mean, std=pool.std, ids=pool.ids, scaling_factor=pool.scaling_factor)
+    pool = Pool(mean, std, np.stack(ids).astype(np.int32), float(1.0 / samples.std()), time.perf_counter() - start)
+    np.savez(path, **dataclasses.asdict(pool))
     log(f"pool: {len(mean)} scenes, latent mean {samples.mean():.3f} std {samples.std():.3f}")
     return pool
 
@@ -263,9 +273,9 @@ def train_denoiser(cfg: TrainConfig, pool: Pool, vocab_size: int, empty_ids: np.
     tx = optax.adamw(schedule(cfg.unet_lr, cfg.warmup_steps, cfg.unet_steps), weight_decay=0.0)
     tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
     ckpt = work / "unet.npz"
-    state, start = {"params": params, "opt": tx.init(params), "ema": params}, 0
+    state, start, seconds = {"params": params, "opt": tx.init(params), "ema": params}, 0, 0.0
     if resume and ckpt.exists():
-        state, start = load_checkpoint(ckpt, state)
+        state, start, seconds = load_checkpoint(ckpt, state)
         log(f"unet: resumed at step {start}")
     ac = jnp.asarray(alphas_cumprod())
 
@@ -281,7 +291,7 @@ def train_denoiser(cfg: TrainConfig, pool: Pool, vocab_size: int, empty_ids: np.
         return {"params": params, "opt": opt, "ema": ema}, loss
 
     key = jax.random.PRNGKey(cfg.seed + 1)
-    progress = Progress("unet", cfg.unet_steps, start, cfg.log_every)
+    progress = Progress("unet", cfg.unet_steps, start, cfg.log_every, seconds)
     scale = jnp.float32(pool.scaling_factor)
     for step in range(start + 1, cfg.unet_steps + 1):
         rng = scene_rng(cfg.seed, 3, step)
@@ -291,9 +301,9 @@ def train_denoiser(cfg: TrainConfig, pool: Pool, vocab_size: int, empty_ids: np.
         state, loss = update(state, batch, jax.random.fold_in(key, step), jnp.float32(step))
         progress.step(step, loss)
         if step % cfg.checkpoint_every == 0 or step == cfg.unet_steps:
-            save_checkpoint(ckpt, state, step)
+            save_checkpoint(ckpt, state, step, progress.seconds)
     ema: Denoiser = nnx.merge(graphdef, state["ema"])
-    return ema.unet, ema.text_encoder
+    return ema.unet, ema.text_encoder, progress.seconds
 
 
 # ---- the whole run ------------------------------------------------------------------------------
@@ -305,17 +315,23 @@ def train(cfg: TrainConfig, out: Path, work: Path, resume: bool = False) -> dict
     start = time.perf_counter()
     vocab_size = write_tokenizer(out / "tokenizer", shapes.WORDS)
     tokenizer = Tokenizer(out / "tokenizer")
-    vae = train_vae(cfg, work, resume)
-    vae_s = time.perf_counter() - start
+    vae, vae_s = train_vae(cfg, work, resume)
     pool = encode_pool(cfg, vae, tokenizer, work, resume)
     vae.config = dataclasses.replace(vae.config, scaling_factor=round(pool.scaling_factor, 5))
-    unet, text_encoder = train_denoiser(cfg, pool, vocab_size, tokenizer("")[0][0], work, resume)
-    total_s = time.perf_counter() - start
+    unet, text_encoder, unet_s = train_denoiser(cfg, pool, vocab_size, tokenizer("")[0][0], work, resume)
     extra = {**GENERATION, "example_prompts": EXAMPLE_PROMPTS}
     write_model(out, unet, vae, text_encoder, SCHEDULER, np.float16, extra)
-    summary = {"vae_s": round(vae_s), "total_s": round(total_s), "scaling_factor": vae.config.scaling_factor}
+    # Training time summed over resumed runs; this run's wall time besides.
+    summary = {
+        "vae_s": round(vae_s),
+        "pool_s": round(pool.seconds),
+        "unet_s": round(unet_s),
+        "training_s": round(vae_s + pool.seconds + unet_s),
+        "this_run_s": round(time.perf_counter() - start),
+        "scaling_factor": vae.config.scaling_factor,
+    }
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
-    log(f"wrote {out} ({total_s / 60:.1f} min in all, of which the VAE {vae_s / 60:.1f} min)")
+    log(f"wrote {out}: {json.dumps(summary)}")
     return summary
 
 
