@@ -75,7 +75,7 @@ EXAMPLE_PROMPTS = [
     "a yellow star on a purple background",
     "a large white triangle on a black background",
     "a small orange square on a green background",
-    "a green circle and a red square on a white background",
+    "a yellow triangle and a red circle on a green background",
 ]
 
 
