@@ -8,6 +8,7 @@ scheduler), the rest is the fixed cost (text encoder, VAE decode, transfer). Pri
     python bench/bench.py --config small               # CPU: a small SD-shaped model
     python bench/bench.py --config sd15 --images 1 8   # GPU: SD1.5 at 512x512, bf16 vs fp16
     python bench/bench.py --config sd15 --compile      # also diffusers with torch.compile
+    python bench/bench.py --config sdxl --images 1 4   # GPU: SDXL at 1024x1024 (sdxl-small on a CPU)
 """
 
 from __future__ import annotations
@@ -54,36 +55,112 @@ CONFIGS = {
         clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
         size=512,
     ),
+    # SDXL-shaped, small enough for a 2-core CPU: two encoders, text_time conditioning, deep transformer blocks.
+    "sdxl-small": dict(
+        family="sdxl",
+        unet=dict(
+            block_out_channels=(64, 128),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=32,
+            projection_class_embeddings_input_dim=256 + 6 * 32,
+            cross_attention_dim=128 + 256,
+            layers_per_block=1,
+            sample_size=32,
+        ),
+        vae=dict(block_out_channels=(32, 64, 64, 64), layers_per_block=1),
+        clip=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4),
+        clip_2=dict(
+            hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4, projection_dim=256
+        ),
+        size=256,
+    ),
+    # Stable Diffusion XL base 1.0 at 1024x1024.
+    "sdxl": dict(
+        family="sdxl",
+        unet=dict(
+            block_out_channels=(320, 640, 1280),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10),
+            attention_head_dim=(5, 10, 20),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+            cross_attention_dim=2048,
+            layers_per_block=2,
+            sample_size=128,
+        ),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, scaling_factor=0.13025),
+        clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        clip_2=dict(
+            hidden_size=1280,
+            intermediate_size=5120,
+            num_hidden_layers=32,
+            num_attention_heads=20,
+            projection_dim=1280,
+            hidden_act="gelu",
+        ),
+        size=1024,
+    ),
 }
+# The guidance scale each family is used with (its model cards); the scheduler is the folder's own.
+GUIDANCE = {"sd": 7.5, "sdxl": 5.0}
 
 
 def write_model(config: dict, folder: Path, half: bool) -> None:
     import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        PNDMScheduler,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     torch.manual_seed(0)
     tokenizer = CLIPTokenizer.from_pretrained(str(ROOT / "engine" / "assets" / "default" / "tokenizer"))
-    clip = CLIPTextConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=77, eos_token_id=tokenizer.eos_token_id, **config["clip"]
-    )
+
+    def clip(settings: dict) -> CLIPTextConfig:
+        ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+        return CLIPTextConfig(max_position_embeddings=77, **ids, **settings)
+
     vae_blocks = len(config["vae"]["block_out_channels"])
-    pipe = StableDiffusionPipeline(
-        unet=UNet2DConditionModel(**config["unet"]),
-        vae=AutoencoderKL(
-            down_block_types=("DownEncoderBlock2D",) * vae_blocks,
-            up_block_types=("UpDecoderBlock2D",) * vae_blocks,
-            **config["vae"],
-        ),
-        text_encoder=CLIPTextModel(clip),
-        tokenizer=tokenizer,
-        scheduler=PNDMScheduler(
-            beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, skip_prk_steps=True, steps_offset=1
-        ),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        **config["vae"],
     )
+    schedule = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1)
+    if config.get("family", "sd") == "sdxl":
+        pipe = StableDiffusionXLPipeline(
+            unet=UNet2DConditionModel(**config["unet"]),
+            vae=vae,
+            text_encoder=CLIPTextModel(clip(config["clip"])),
+            text_encoder_2=CLIPTextModelWithProjection(clip(config["clip_2"])),
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            scheduler=EulerDiscreteScheduler(**schedule, timestep_spacing="leading"),
+            add_watermarker=False,
+        )
+    else:
+        pipe = StableDiffusionPipeline(
+            unet=UNet2DConditionModel(**config["unet"]),
+            vae=vae,
+            text_encoder=CLIPTextModel(clip(config["clip"])),
+            tokenizer=tokenizer,
+            scheduler=PNDMScheduler(**schedule, skip_prk_steps=True),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
     if half:
         pipe = pipe.to(torch.float16)
     pipe.save_pretrained(folder, variant="fp16" if half else None)
@@ -105,17 +182,22 @@ def per_step(call, steps: tuple[int, int], reps: int) -> dict:
     return {"step_ms": 1000 * step, "fixed_ms": 1000 * (lo - steps[0] * step), f"call_{steps[1]}_steps_s": hi}
 
 
-def bench_ours(folder: Path, images: int, size: int, steps: tuple[int, int], reps: int, dtype: str | None) -> dict:
+def bench_ours(folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int) -> dict:
     from engine import load_pipeline
 
-    pipe = load_pipeline(folder, dtype=dtype)
+    pipe = load_pipeline(folder)
     start = time.perf_counter()
     pipe.generate("warm up", num_images=images, height=size, width=size, num_inference_steps=1)
     compile_s = time.perf_counter() - start
 
     def call(n):
         return pipe.generate(
-            "a photo of a cat", num_images=images, height=size, width=size, num_inference_steps=n, guidance_scale=7.5
+            "a photo of a cat",
+            num_images=images,
+            height=size,
+            width=size,
+            num_inference_steps=n,
+            guidance_scale=guidance,
         )
 
     result = per_step(call, steps, reps)
@@ -123,17 +205,15 @@ def bench_ours(folder: Path, images: int, size: int, steps: tuple[int, int], rep
 
 
 def bench_diffusers(
-    folder: Path, images: int, size: int, steps: tuple[int, int], reps: int, half: bool, compile_: bool
+    folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int, half: bool, compile_: bool
 ) -> dict:
     import torch
-    from diffusers import StableDiffusionPipeline
+    from diffusers import DiffusionPipeline
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(os.cpu_count())  # the same cores JAX's CPU backend uses
     dtype = torch.float16 if half else torch.float32
-    pipe = StableDiffusionPipeline.from_pretrained(folder, variant="fp16" if half else None, torch_dtype=dtype).to(
-        device
-    )
+    pipe = DiffusionPipeline.from_pretrained(folder, variant="fp16" if half else None, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     if compile_:
         pipe.unet = torch.compile(pipe.unet)
@@ -147,7 +227,7 @@ def bench_diffusers(
                 height=size,
                 width=size,
                 num_inference_steps=n,
-                guidance_scale=7.5,
+                guidance_scale=guidance,
                 output_type="np",
             )
 
@@ -184,20 +264,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         write_model(config, folder, half=accelerator)
+        guidance = GUIDANCE[config.get("family", "sd")]
         for images in args.images:
+            case = (images, config["size"], guidance, tuple(args.steps), args.reps)
             run = {
                 "images": images,
-                "ours": bench_ours(folder, images, config["size"], tuple(args.steps), args.reps, None),
+                "ours": bench_ours(folder, *case),
             }
             if not args.skip_reference:
-                run["diffusers"] = bench_diffusers(
-                    folder, images, config["size"], tuple(args.steps), args.reps, accelerator, False
-                )
+                run["diffusers"] = bench_diffusers(folder, *case, accelerator, False)
                 run["speedup_step"] = run["diffusers"]["step_ms"] / run["ours"]["step_ms"]
                 if args.compile:
-                    run["diffusers_compile"] = bench_diffusers(
-                        folder, images, config["size"], tuple(args.steps), args.reps, accelerator, True
-                    )
+                    run["diffusers_compile"] = bench_diffusers(folder, *case, accelerator, True)
                     run["speedup_step_vs_compile"] = run["diffusers_compile"]["step_ms"] / run["ours"]["step_ms"]
             report["runs"].append(run)
             print(json.dumps(run), flush=True)

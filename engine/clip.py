@@ -70,7 +70,11 @@ class CLIPEmbeddings(nnx.Module):
         self.position_embedding = embed(cfg.max_position_embeddings, cfg.hidden_size, rngs)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return self.token_embedding(ids) + self.position_embedding(jnp.arange(ids.shape[1]))[None]
+        # A direct lookup: `nnx.Embed` fixes its compute dtype when it is built (f32, before the
+        # weights are loaded in bf16), which would run the whole encoder in f32.
+        tokens = jnp.take(self.token_embedding.embedding[...], ids, axis=0)  # [batch, tokens, hidden]
+        positions = self.position_embedding.embedding[: ids.shape[1]]  # [tokens, hidden]
+        return tokens + positions[None]
 
 
 class CLIPEncoder(nnx.Module):

@@ -90,7 +90,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array
         impl = "xla"
     try:
         out = jax.nn.dot_product_attention(q, k, v, implementation=impl)
-    except (ValueError, NotImplementedError):  # a shape cuDNN does not take
+    except (ValueError, NotImplementedError, RuntimeError):  # a shape cuDNN does not take, or no cuDNN at all
         out = jax.nn.dot_product_attention(q, k, v, implementation="xla")
     return out.reshape(b, n, inner)
 

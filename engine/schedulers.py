@@ -206,6 +206,11 @@ def _alphas_cumprod(s: dict[str, Any], family: str) -> np.ndarray:
     return ac
 
 
+def alphas_cumprod(config: SchedulerConfig, kind: str = "ddim") -> np.ndarray:
+    """The noise schedule a_t, t = 0..T-1, that `config` describes: what a model is trained against."""
+    return _alphas_cumprod(settings(config, kind), _family(kind))
+
+
 def _spaced(s: dict[str, Any], n: int) -> np.ndarray:
     """The n training timesteps an n-step schedule visits, descending, float64 ("linspace" unrounded)."""
     T, spacing = s["num_train_timesteps"], s["timestep_spacing"]

@@ -36,6 +36,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine import schedulers  # noqa: E402
 from engine.clip import CLIPTextModel  # noqa: E402
 from engine.loading import Tokenizer  # noqa: E402
 from engine.unet import UNet2DConditionModel  # noqa: E402
@@ -236,13 +237,6 @@ def encode_pool(cfg: TrainConfig, vae: AutoencoderKL, tokenizer: Tokenizer, work
     return pool
 
 
-def alphas_cumprod() -> np.ndarray:
-    """The training noise schedule, the one SCHEDULER names: SD's "scaled_linear" betas."""
-    s = SCHEDULER
-    betas = np.linspace(s["beta_start"] ** 0.5, s["beta_end"] ** 0.5, s["num_train_timesteps"]) ** 2
-    return np.cumprod(1.0 - betas).astype(np.float32)
-
-
 class Denoiser(nnx.Module):
     """The two trained networks in one module, so that one optimizer and one EMA cover both."""
 
@@ -277,7 +271,8 @@ def train_denoiser(cfg: TrainConfig, pool: Pool, vocab_size: int, empty_ids: np.
     if resume and ckpt.exists():
         state, start, seconds = load_checkpoint(ckpt, state)
         log(f"unet: resumed at step {start}")
-    ac = jnp.asarray(alphas_cumprod())
+    # The training noise schedule: the one the shipped scheduler config names, so sampling matches it.
+    ac = jnp.asarray(schedulers.alphas_cumprod(schedulers.SchedulerConfig.from_dict(SCHEDULER)))
 
     @jax.jit
     def update(state, batch, key, step):
