@@ -88,9 +88,9 @@ class Warmup:
 
 
 def example_prompts(pipe: Any) -> list[str]:
-    """The engine's own examples (a small model knows what it can draw) first, then ours."""
-    prompts = list(getattr(pipe, "example_prompts", None) or []) + EXAMPLE_PROMPTS
-    return list(dict.fromkeys(p for p in prompts if p))
+    """The model's own examples when it ships some (a small model knows what it can draw), else ours."""
+    prompts = [p for p in getattr(pipe, "example_prompts", None) or [] if p]
+    return list(dict.fromkeys(prompts or EXAMPLE_PROMPTS))
 
 
 def size_range(pipe: Any) -> tuple[int, int]:

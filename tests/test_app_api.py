@@ -159,12 +159,17 @@ def test_engine_refusal_and_failure_become_messages():
         app.run_generation(FakeEngine(RuntimeError("out of memory")), None, page_values(), None)
 
 
-def test_engine_examples_come_first_without_repeats():
-    prompts = app.example_prompts(FakeEngine())
-    assert prompts[:2] == FakeEngine.example_prompts
-    assert len(prompts) == len(set(prompts)) == 9
-    assert set(app.EXAMPLE_PROMPTS) <= set(prompts)
-    assert len(app.EXAMPLE_PROMPTS) == 8
+def test_a_model_with_its_own_examples_shows_only_those():
+    # The embedded model draws shapes; "HAL-9000 in the style of Van Gogh" would only disappoint.
+    assert app.example_prompts(FakeEngine()) == FakeEngine.example_prompts
+
+
+@pytest.mark.parametrize("own", [None, [], ["", ""]])
+def test_a_model_without_examples_shows_the_general_ones(own):
+    engine = FakeEngine()
+    engine.example_prompts = own
+    assert app.example_prompts(engine) == app.EXAMPLE_PROMPTS
+    assert len(set(app.EXAMPLE_PROMPTS)) == 8
 
 
 def test_demo_exposes_a_stable_api_name():
