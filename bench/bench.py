@@ -5,6 +5,10 @@ diffusers layout, and loads that folder in both. Times whole text-to-image calls
 counts; the difference gives the cost of one denoising step (UNet with guidance plus
 scheduler), the rest is the fixed cost (text encoder, VAE decode, transfer). Prints JSON.
 
+Each system runs in a process of its own, one after the other: in one process, the thread
+pools that JAX and PyTorch leave spinning after their work slow the other one down (on a
+2-core CPU, diffusers' step took 6.5x as long next to JAX as alone).
+
     python bench/bench.py --config small               # CPU: a small SD-shaped model
     python bench/bench.py --config sd15 --images 1 8   # GPU: SD1.5 at 512x512, bf16 vs fp16
     python bench/bench.py --config sd15 --compile      # also diffusers with torch.compile
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -237,6 +242,27 @@ def bench_diffusers(
     return {**per_step(call, steps, reps), "warm_s": warm_s, "device": device, "threads": torch.get_num_threads()}
 
 
+def run_worker(system: str, folder: Path, case: tuple, accelerator: bool) -> dict:
+    """One system's timings, measured in a fresh Python process."""
+    images, size, guidance, steps, reps = case
+    command = [sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
+    command += ["--size", str(size), "--guidance", str(guidance), "--steps", *map(str, steps), "--reps", str(reps)]
+    command += ["--half"] if accelerator else []
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def worker(args: argparse.Namespace) -> None:
+    case = (args.images[0], args.size, args.guidance, tuple(args.steps), args.reps)
+    if args.worker == "ours":
+        result = bench_ours(args.folder, *case)
+    else:
+        result = bench_diffusers(args.folder, *case, args.half, args.worker == "diffusers_compile")
+    print(json.dumps(result), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -247,7 +273,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time diffusers with torch.compile")
     parser.add_argument("--skip-reference", action="store_true")
+    # A child process's part: one system, one case (see run_worker).
+    parser.add_argument("--worker", choices=["ours", "diffusers", "diffusers_compile"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--guidance", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--half", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args)
 
     import jax
 
@@ -261,22 +295,21 @@ def main() -> None:
         "steps": args.steps,
         "runs": [],
     }
+    systems = ["ours"] + (
+        [] if args.skip_reference else ["diffusers"] + (["diffusers_compile"] if args.compile else [])
+    )
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         write_model(config, folder, half=accelerator)
         guidance = GUIDANCE[config.get("family", "sd")]
         for images in args.images:
             case = (images, config["size"], guidance, tuple(args.steps), args.reps)
-            run = {
-                "images": images,
-                "ours": bench_ours(folder, *case),
-            }
-            if not args.skip_reference:
-                run["diffusers"] = bench_diffusers(folder, *case, accelerator, False)
-                run["speedup_step"] = run["diffusers"]["step_ms"] / run["ours"]["step_ms"]
-                if args.compile:
-                    run["diffusers_compile"] = bench_diffusers(folder, *case, accelerator, True)
-                    run["speedup_step_vs_compile"] = run["diffusers_compile"]["step_ms"] / run["ours"]["step_ms"]
+            run = {"images": images, **{system: run_worker(system, folder, case, accelerator) for system in systems}}
+            for system in systems[1:]:
+                run[f"speedup_step_vs_{system}"] = run[system]["step_ms"] / run["ours"]["step_ms"]
+                run[f"speedup_call_vs_{system}"] = (
+                    run[system][f"call_{args.steps[1]}_steps_s"] / run["ours"][f"call_{args.steps[1]}_steps_s"]
+                )
             report["runs"].append(run)
             print(json.dumps(run), flush=True)
     print(json.dumps(report, indent=2))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import CLIPTextConfig
-from .layers import embed, layer_norm, linear
+from .layers import embed, layer_norm, linear, softmax_attention
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:
@@ -35,9 +35,8 @@ class CLIPAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, n, d = x.shape
         split = lambda t: t.reshape(b, n, self.heads, d // self.heads)  # noqa: E731 [batch, tokens, heads, head_dim]
-        out = jax.nn.dot_product_attention(
-            split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)), is_causal=True, implementation="xla"
-        )
+        causal = jnp.tril(jnp.ones((n, n), bool))  # token i sees tokens 0..i
+        out = softmax_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)), causal)
         return self.out_proj(out.reshape(b, n, d))
 
 
