@@ -5,4 +5,6 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# f32 means f32 on every backend (a GPU would otherwise multiply f32 matrices in TF32).
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

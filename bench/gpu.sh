@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU measurement in one go: the GPU tests, then SD1.5 and SDXL against diffusers.
+#
+#   bash bench/gpu.sh [RESULTS_DIR]
+#
+# On a machine with no network, put wheels of what it lacks (diffusers, for one) in .whl/;
+# they are installed into /tmp/site first. Each benchmark writes its JSON report to
+# RESULTS_DIR (default: bench-results/); the last line of each is the whole report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+results=${1:-bench-results}
+mkdir -p "$results"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$results/gpu.txt"
+python3 -c "import jax, flax, diffusers, torch; print(jax.__version__, flax.__version__, diffusers.__version__, torch.__version__)" \
+  | tee -a "$results/gpu.txt"
+python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$results/test_gpu.txt"
+python3 bench/bench.py --config sd15 --images 1 8 --compile | tee "$results/sd15.json"
+python3 bench/bench.py --config sdxl --images 1 4 | tee "$results/sdxl.json"
