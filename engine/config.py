@@ -25,15 +25,16 @@ def _tupled(value: Any) -> Any:
 
 
 class _FromJson:
-    # Keys that transformers writes into every config and that carry no architecture.
-    _bookkeeping: frozenset[str] = frozenset()
+    # Whether a key this config does not know stops the load: diffusers configs name every
+    # architecture switch, so an unknown key there may be one we would silently ignore.
+    _strict: bool = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: _tupled(v) for k, v in raw.items() if not k.startswith("_")}
-        unknown = sorted(set(kept) - names - cls._bookkeeping)
-        if unknown:
+        unknown = sorted(set(kept) - names)
+        if unknown and cls._strict:
             raise ConfigError(f"{where}: unknown keys for {cls.__name__}: {', '.join(unknown)}")
         config = cls(**{k: v for k, v in kept.items() if k in names})
         config.validate(where)
@@ -219,29 +220,10 @@ class VAEConfig(_FromJson):
 class CLIPTextConfig(_FromJson):
     """transformers `CLIPTextConfig` (text_encoder/config.json), architecture fields only."""
 
-    _bookkeeping = frozenset(
-        {
-            "architectures",
-            "attention_dropout",
-            "bos_token_id",
-            "chunk_size_feed_forward",
-            "dropout",
-            "dtype",
-            "id2label",
-            "initializer_factor",
-            "initializer_range",
-            "is_encoder_decoder",
-            "label2id",
-            "model_type",
-            "output_attentions",
-            "output_hidden_states",
-            "pad_token_id",
-            "problem_type",
-            "return_dict",
-            "torch_dtype",
-            "transformers_version",
-        }
-    )
+    # transformers configs carry dozens of keys with no bearing on the network (generation
+    # settings, labels, versions; older releases wrote every one of them), so the unknown ones
+    # are ignored here; `model_type` tells whether this is a CLIP text encoder at all.
+    _strict = False
 
     vocab_size: int = 49408
     hidden_size: int = 512
@@ -253,7 +235,13 @@ class CLIPTextConfig(_FromJson):
     hidden_act: str = "quick_gelu"  # SD1.x: quick_gelu; SD2.x/OpenCLIP: gelu
     layer_norm_eps: float = 1e-5
     eos_token_id: int = 49407  # legacy configs say 2, which means "the largest id" for pooling
+    model_type: str = "clip_text_model"
 
     def validate(self, where: str) -> None:
+        _require(
+            self.model_type == "clip_text_model",
+            where,
+            f"model_type {self.model_type!r} is not a CLIP text encoder ('clip_text_model')",
+        )
         _require(self.hidden_act in ("quick_gelu", "gelu"), where, f"hidden_act {self.hidden_act!r} is not supported")
         _require(self.hidden_size % self.num_attention_heads == 0, where, "hidden_size must divide into heads")

@@ -24,7 +24,7 @@ from transformers import CLIPTextModel as TorchCLIP
 from transformers import CLIPTextModelWithProjection as TorchCLIPProj
 
 from engine.clip import CLIPTextModel
-from engine.config import CLIPTextConfig, UNetConfig, VAEConfig
+from engine.config import CLIPTextConfig, ConfigError, UNetConfig, VAEConfig
 from engine.unet import UNet2DConditionModel
 from engine.vae import AutoencoderKL
 from engine.weights import WeightsError, convert, export, load_model, read_safetensors
@@ -93,6 +93,53 @@ def test_clip_matches_transformers(layout, with_projection, tmp_path):
     assert rel_error(got.hidden_states[-2], want.hidden_states[-2]) < TOL
     pooled = want.text_embeds if with_projection else want.pooler_output
     assert rel_error(got.pooled, pooled) < TOL
+
+
+# What transformers 4.x wrote into every config it saved, beside the architecture: generation
+# settings, labels, bookkeeping. Text encoders of older SD folders carry all of it.
+LEGACY_TRANSFORMERS_KEYS = {
+    "_name_or_path": "openai/clip-vit-large-patch14",
+    "add_cross_attention": False,
+    "architectures": ["CLIPTextModel"],
+    "bad_words_ids": None,
+    "chunk_size_feed_forward": 0,
+    "do_sample": False,
+    "early_stopping": False,
+    "finetuning_task": None,
+    "forced_eos_token_id": None,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "is_decoder": False,
+    "length_penalty": 1.0,
+    "max_length": 20,
+    "num_beams": 1,
+    "pruned_heads": {},
+    "repetition_penalty": 1.0,
+    "task_specific_params": None,
+    "temperature": 1.0,
+    "tf_legacy_loss": False,
+    "top_k": 50,
+    "torchscript": False,
+    "transformers_version": "4.22.0.dev0",
+    "use_bfloat16": False,
+}
+
+
+def test_a_clip_config_with_transformers_bookkeeping_loads():
+    raw = {**LEGACY_TRANSFORMERS_KEYS, **CLIP_LAYOUTS["sd1"], **CLIP_COMMON, "model_type": "clip_text_model"}
+    cfg = CLIPTextConfig.from_dict(raw)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.hidden_act) == (32, 3, "quick_gelu")
+
+
+def test_a_text_encoder_that_is_not_clip_is_refused():
+    with pytest.raises(ConfigError, match="model_type 't5' is not a CLIP text encoder"):
+        CLIPTextConfig.from_dict({"model_type": "t5", "hidden_size": 64, "num_attention_heads": 4})
+
+
+@pytest.mark.parametrize("config", [UNetConfig, VAEConfig])
+def test_an_unknown_diffusers_key_is_refused_by_name(config):
+    # diffusers names every architecture switch in config.json; one we do not know may change the network.
+    with pytest.raises(ConfigError, match="unknown keys for .*: new_switch"):
+        config.from_dict({"new_switch": True})
 
 
 def test_export_is_the_inverse_of_convert():
