@@ -21,7 +21,7 @@ PIPELINE_FAMILIES = {
     "StableDiffusionXLPipeline": "sdxl",
 }
 _WEIGHT_NAME = re.compile(
-    r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
+    r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+?))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
 )
 
 

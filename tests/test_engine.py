@@ -162,6 +162,39 @@ def test_only_the_needed_hub_files_are_fetched():
         assert skipped not in fp16 and skipped not in full
 
 
+@pytest.mark.parametrize("variant", [None, "fp16"])
+def test_every_shard_of_the_chosen_variant_is_fetched(variant):
+    # diffusers names shards of a variant "<name>.fp16-00001-of-00002.safetensors".
+    shards = {
+        None: [
+            "unet/diffusion_pytorch_model-00001-of-00002.safetensors",
+            "unet/diffusion_pytorch_model-00002-of-00002.safetensors",
+        ],
+        "fp16": [
+            "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+            "unet/diffusion_pytorch_model.fp16-00002-of-00002.safetensors",
+        ],
+    }
+    files = ["model_index.json", "unet/config.json", *shards[None], *shards["fp16"]]
+    weights = [f for f in select_hub_files(files, variant) if f.endswith(".safetensors")]
+    assert weights == shards[variant]
+
+
+def test_a_local_folder_reads_every_shard(tmp_path):
+    from engine.sources import ModelFolder
+
+    unet = tmp_path / "unet"
+    unet.mkdir()
+    names = [
+        "diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+        "diffusion_pytorch_model.fp16-00002-of-00002.safetensors",
+    ]
+    for name in [*names, "diffusion_pytorch_model.safetensors.index.fp16.json"]:
+        (unet / name).write_bytes(b"")
+    folder = ModelFolder(tmp_path, "local", "sd", {})
+    assert [f.name for f in folder.weight_files("unet", "fp16")] == names
+
+
 def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
     one = pipe.generate("a red circle", seed=3, num_inference_steps=3, num_images=8, scheduler="euler_a")
     run_with_devices(
