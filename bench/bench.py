@@ -242,13 +242,16 @@ def bench_diffusers(
     return {**per_step(call, steps, reps), "warm_s": warm_s, "device": device, "threads": torch.get_num_threads()}
 
 
+WORKER_ENV = dict(os.environ)  # as this process was started, before main() changes it
+
+
 def run_worker(system: str, folder: Path, case: tuple, accelerator: bool) -> dict:
     """One system's timings, measured in a fresh Python process."""
     images, size, guidance, steps, reps = case
     command = [sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
     command += ["--size", str(size), "--guidance", str(guidance), "--steps", *map(str, steps), "--reps", str(reps)]
     command += ["--half"] if accelerator else []
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
     if done.returncode != 0:
         raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -283,6 +286,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    # This process only looks at the device; JAX would otherwise reserve most of the GPU's
+    # memory here, for as long as the workers that need it run.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import jax
 
     config = CONFIGS[args.config]
