@@ -81,7 +81,7 @@ def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim]; logits and softmax in f32.
 
     Two plain einsums: on the CPU this runs the UNet twice as fast as `jax.nn.dot_product_attention`'s
-    XLA path at SD's shapes (its grouped-query layout adds a dimension XLA's CPU dots handle badly).
+    XLA path at SD's shapes (which carries an extra grouped-query dimension in every dot).
     `mask` [tokens_q, tokens_k], True where attention is allowed.
     """
     q = q * q.shape[-1] ** -0.5  # q, not the logits: on the CPU the whole UNet runs 1.6x faster so
