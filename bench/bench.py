@@ -138,29 +138,28 @@ def write_model(config: dict, folder: Path, half: bool) -> None:
         return CLIPTextConfig(max_position_embeddings=77, **ids, **settings)
 
     vae_blocks = len(config["vae"]["block_out_channels"])
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * vae_blocks,
-        up_block_types=("UpDecoderBlock2D",) * vae_blocks,
-        **config["vae"],
+    parts = dict(
+        unet=UNet2DConditionModel(**config["unet"]),
+        vae=AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+            up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+            **config["vae"],
+        ),
+        text_encoder=CLIPTextModel(clip(config["clip"])),
+        tokenizer=tokenizer,
     )
     schedule = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1)
     if config.get("family", "sd") == "sdxl":
         pipe = StableDiffusionXLPipeline(
-            unet=UNet2DConditionModel(**config["unet"]),
-            vae=vae,
-            text_encoder=CLIPTextModel(clip(config["clip"])),
+            **parts,
             text_encoder_2=CLIPTextModelWithProjection(clip(config["clip_2"])),
-            tokenizer=tokenizer,
             tokenizer_2=tokenizer,
             scheduler=EulerDiscreteScheduler(**schedule, timestep_spacing="leading"),
             add_watermarker=False,
         )
     else:
         pipe = StableDiffusionPipeline(
-            unet=UNet2DConditionModel(**config["unet"]),
-            vae=vae,
-            text_encoder=CLIPTextModel(clip(config["clip"])),
-            tokenizer=tokenizer,
+            **parts,
             scheduler=PNDMScheduler(**schedule, skip_prk_steps=True),
             safety_checker=None,
             feature_extractor=None,
