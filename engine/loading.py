@@ -38,6 +38,7 @@ FAMILY_DEFAULTS = {
 }
 # Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
 TURBO_DEFAULTS = {"num_inference_steps": 1, "guidance_scale": 0.0}
+FAMILY_MAX_SIDE = {"sd": 1024, "sdxl": 2048}  # pixels: twice the side each family was trained at
 FAMILY_LABELS = {"sd": "Stable Diffusion", "sdxl": "Stable Diffusion XL"}
 TEXT_ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
 TOKENIZERS = {"sd": ("tokenizer",), "sdxl": ("tokenizer", "tokenizer_2")}
@@ -76,8 +77,8 @@ class LoadedModel:
     label: str = ""  # for people: "Stable Diffusion XL Turbo"
     example_prompts: list[str] = field(default_factory=list)
     max_clip_skip: int = 0
-    # The family's per-image inputs besides token ids, from the plan and the negative prompt.
-    extra_inputs: Callable[[Plan, str], dict] = lambda plan, negative_prompt: {}
+    # The family's per-image inputs besides token ids, from the plan and the negative prompt (None: none at all).
+    extra_inputs: Callable[[Plan, str | None], dict] = lambda plan, negative_prompt: {}
 
     @property
     def vae_scale_factor(self) -> int:

@@ -1,16 +1,19 @@
-"""Text-to-image as three jitted functions: encode the prompts, run the denoising loop, decode.
+"""Text-to-image for a batch of image slots, as three jitted functions: admit, advance, decode.
 
-Mirrors diffusers' `StableDiffusionPipeline.__call__` and `StableDiffusionXLPipeline.__call__`;
-`ENCODERS` holds what differs by family, token ids -> UNet conditioning. Classifier-free guidance
-batches the unconditional and conditional halves into one UNet call,
-`noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022); with guidance off the
-unconditional half is not computed at all. Everything a user changes per request (steps,
-guidance scale, seed, prompt) is a traced array; only shapes, the scheduler kind, `max_steps`,
-whether guidance is on and `clip_skip` are static.
+Mirrors diffusers' `StableDiffusionPipeline.__call__` and `StableDiffusionXLPipeline.__call__`, with the
+batch made of independent slots (continuous batching): `admit` encodes new requests' prompts and draws
+their noise into free slots, `advance` runs a chunk of denoising steps on every slot at its own step of
+its own schedule, `decode` turns latents into pictures. `ENCODERS` holds what differs by family, token
+ids -> UNet conditioning. Classifier-free guidance batches the unconditional and conditional halves into
+one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
+with guidance off the unconditional half is not computed at all. Everything a user changes per request
+(steps, guidance scale, seed, prompt) is a traced array; only the `Plan` (shapes, the scheduler kind,
+`max_steps`, whether guidance is on, `clip_skip`) is static.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +44,7 @@ class Models(nnx.Module):
 class Plan:
     """The static part of a generation: changing any field compiles a new program."""
 
-    batch: int  # images in the call, a multiple of the device count
+    batch: int  # image slots drawn at once, a multiple of the device count
     latent_height: int
     latent_width: int
     scheduler: str
@@ -49,6 +52,40 @@ class Plan:
     guidance: bool  # classifier-free guidance on (scale > 1): the UNet batch doubles
     family: str = "sd"
     clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
+    devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
+
+    @property
+    def slots_per_device(self) -> int:
+        return self.batch // self.devices
+
+
+def take_lanes(tree: Any, plan: Plan, lanes: int) -> Any:
+    """Each device's first `lanes` slots of a slot-major pytree: [batch, ...] -> [devices * lanes, ...].
+
+    A program that runs on `lanes` slots per device costs that many, not the whole batch: the batcher
+    packs requests into the lowest lanes. The slice is per device, so no data crosses devices.
+    """
+    if lanes == plan.slots_per_device:
+        return tree
+
+    def take(a):
+        rows = a.shape[0] // plan.batch  # 2 for guidance pairs
+        return a.reshape(plan.devices, -1, *a.shape[1:])[:, : lanes * rows].reshape(-1, *a.shape[1:])
+
+    return jax.tree.map(take, tree)
+
+
+def put_lanes(full: Any, part: Any, plan: Plan, lanes: int) -> Any:
+    """The inverse of `take_lanes`: writes `part` back into each device's first lanes of `full`."""
+    if lanes == plan.slots_per_device:
+        return part
+
+    def put(a, b):
+        rows = a.shape[0] // plan.batch
+        grid = a.reshape(plan.devices, -1, *a.shape[1:])
+        return grid.at[:, : lanes * rows].set(b.reshape(plan.devices, -1, *b.shape[1:])).reshape(a.shape)
+
+    return jax.tree.map(put, full, part)
 
 
 @dataclass(frozen=True)
@@ -120,70 +157,122 @@ def initial_latents(seeds: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return jax.vmap(lambda k: jax.random.normal(k, shape, jnp.float32))(image_keys(seeds))
 
 
-def prepare(
-    plan: Plan,
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    ids: jax.Array,
-    neg_ids: jax.Array,
-    extra: dict[str, Any],
-    latents: jax.Array,
-    tables: schedulers.Tables,
-) -> tuple[Conditioning, jax.Array, schedulers.State]:
-    """Encodes the prompts and scales the initial noise: the first of the three programs.
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Admission:
+    """What new requests bring to a batch: one row per slot, used where `mask` is set (host arrays).
 
-    ids, neg_ids int32 [batch, 77], or [batch, encoders, 77] for SDXL; extra: the family's other
-    per-image inputs (SDXL: time ids); latents [batch, h, w, c] f32 unscaled noise.
+    ids, neg_ids int32 [batch, 77] (SDXL: [batch, encoders, 77]); extra: the family's other per-image
+    inputs (SDXL: time ids); latents [batch, h, w, c] unscaled noise, used where `given`, else drawn from
+    the slot's seed; tables: each slot's own schedule (its own step count).
     """
-    models: Models = nnx.merge(graphdef, params)
+
+    mask: jax.Array  # [batch] bool: the slots being (re)filled
+    ids: jax.Array
+    neg_ids: jax.Array
+    extra: dict[str, Any]
+    latents: jax.Array  # [batch, h, w, c] f32
+    given: jax.Array  # [batch] bool: latents came with the request
+    seeds: jax.Array  # [batch] uint32
+    guidance_scale: jax.Array  # [batch] f32
+    tables: schedulers.Tables  # every array with a leading [batch] axis
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Slots:
+    """A running batch: every image slot with its own latents, solver state, schedule, step, guidance and key.
+
+    Leading axis [batch] everywhere, except `cond`, which interleaves each slot's (uncond, cond) pair
+    into [2 * batch] rows when guidance is on. A slot whose `step` has reached its
+    `tables.num_loop_steps` is finished (or empty) and no longer changes.
+    """
+
+    x: jax.Array  # [batch, h, w, c] f32 latents
+    state: schedulers.State
+    tables: schedulers.Tables
+    step: jax.Array  # [batch] i32: the slot's next loop step
+    seeds: jax.Array  # [batch] uint32
+    guidance_scale: jax.Array  # [batch] f32
+    cond: Conditioning
+
+
+def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """Per slot, `new` where mask else `old`; a [2 * batch] leaf (guidance pairs) repeats each slot's choice."""
+    m = jnp.repeat(mask, new.shape[0] // mask.shape[0])
+    return jnp.where(m.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
+
+
+def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     encode = ENCODERS[plan.family]
-    cond = encode(models, ids, extra, plan, False)
+    cond = encode(models, new.ids, new.extra, plan, False)
     if plan.guidance:  # guidance off: the unconditional half is never computed
-        uncond = encode(models, neg_ids, extra, plan, True)
+        uncond = encode(models, new.neg_ids, new.extra, plan, True)
         cond = jax.tree.map(_pair, uncond, cond)
-    x = latents.astype(jnp.float32) * tables.init_noise_sigma
-    return cond, x, schedulers.init_state(plan.scheduler, x)
+    noise = initial_latents(new.seeds, new.latents.shape[1:])
+    noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
+    x = noise * new.tables.init_noise_sigma[:, None, None, None]
+    state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
+    step = jnp.zeros(x.shape[:1], jnp.int32)
+    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond)
 
 
-def denoise(
-    plan: Plan,
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    cond: Conditioning,
-    x: jax.Array,
-    state: schedulers.State,
-    seeds: jax.Array,
-    tables: schedulers.Tables,
-    guidance_scale: jax.Array,
-    start: jax.Array,
-    stop: jax.Array,
-) -> tuple[jax.Array, schedulers.State]:
-    """Loop steps [start, stop) of the denoising loop; seeds [batch] uint32 (euler_a's per-step noise).
+def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
+    """The shapes of a batch's slots (use under `jax.eval_shape`): what `admit` fills."""
+    return _fresh(plan, nnx.merge(graphdef, params), new)
 
-    One call may run the whole loop; the engine splits it only to report progress, since a host
-    callback inside the loop would keep the program out of JAX's persistent compilation cache.
+
+def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slots: Slots, new: Admission) -> Slots:
+    """Encodes the new requests' prompts and draws their noise into the masked slots; the others stay as they are.
+
+    The text encoders run over the first `lanes` slots of each device, where the masked ones are.
+    """
+    new, old = take_lanes(new, plan, lanes), take_lanes(slots, plan, lanes)
+    fresh = _fresh(plan, nnx.merge(graphdef, params), new)
+    return put_lanes(slots, jax.tree.map(lambda a, b: _select(new.mask, a, b), fresh, old), plan, lanes)
+
+
+def advance(
+    plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slots: Slots, num_steps: jax.Array
+) -> tuple[Slots, jax.Array]:
+    """Runs `num_steps` loop steps on every slot that has steps left; returns the slots and [batch] finiteness.
+
+    Each slot is at its own step of its own schedule, so requests with different step counts, seeds and
+    guidance scales share the UNet batch; the scheduler maths is the single-image function vmapped over
+    slots. Only the first `lanes` slots of each device run. `num_steps` is traced: any chunk length runs the
+    same program. Static: `plan` (shapes, scheduler kind, guidance on/off, clip_skip) and `lanes`. No host
+    callback inside, so the persistent compilation cache keeps it.
     """
     models: Models = nnx.merge(graphdef, params)
-    keys = image_keys(seeds)
-    kind = plan.scheduler
+    full, slots = slots, take_lanes(slots, plan, lanes)
+    kind, t, cond = plan.scheduler, slots.tables, slots.cond
+    keys = image_keys(slots.seeds)
 
-    def body(i, carry):
-        x, state = carry
-        model_in = schedulers.scale_model_input(kind, tables, i, x)
+    def body(_, carry):
+        x, state, i = carry
+        active = i < t.num_loop_steps  # [batch]
+        model_in = jax.vmap(lambda tab, j, row: schedulers.scale_model_input(kind, tab, j, row))(t, i, x)
+        timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
         if plan.guidance:
-            model_in = _pair(model_in, model_in)
-        t = schedulers.timestep(tables, i)
-        out = models.unet(model_in, t, cond.context, cond.text_embeds, cond.time_ids).astype(jnp.float32)
+            model_in, timesteps = _pair(model_in, model_in), _pair(timesteps, timesteps)
+        out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids).astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
-            out = out[:, 0] + guidance_scale * (out[:, 1] - out[:, 0])
-        noise = None
-        if kind == "euler_a":
-            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i + 1))(keys)
-            noise = jax.vmap(lambda k: jax.random.normal(k, x.shape[1:], jnp.float32))(step_keys)
-        return schedulers.step(kind, tables, state, i, out, x, noise)
+            g = slots.guidance_scale[:, None, None, None]
+            out = out[:, 0] + g * (out[:, 1] - out[:, 0])
+        if kind == "euler_a":  # fresh noise per step from the slot's own key: the same on any batch or device
+            noise = jax.vmap(lambda k, j: jax.random.normal(jax.random.fold_in(k, j + 1), x.shape[1:], jnp.float32))(
+                keys, i
+            )
+            new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x, noise)
+        else:
+            new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x)
+        keep = lambda a, b: _select(active, a, b)  # noqa: E731 - finished and empty slots stay as they are
+        return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32)
 
-    return jax.lax.fori_loop(start, stop, body, (x, state))
+    x, state, step = jax.lax.fori_loop(0, num_steps, body, (slots.x, slots.state, slots.step))
+    slots = put_lanes(full, dataclasses.replace(slots, x=x, state=state, step=step), plan, lanes)
+    return slots, jnp.all(jnp.isfinite(slots.x), axis=(1, 2, 3))
 
 
 def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
@@ -198,3 +287,8 @@ def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) 
         x = x / vae_cfg.scaling_factor
     images = models.vae.decode(x)
     return jnp.clip(images / 2 + 0.5, 0.0, 1.0)
+
+
+def decode_lanes(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
+    """`decode` of each device's first `lanes` slots: images [devices * lanes, H, W, 3]."""
+    return decode(plan, graphdef, params, take_lanes(x, plan, lanes))

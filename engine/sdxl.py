@@ -43,11 +43,13 @@ def check_layout(unet: UNetConfig, first: CLIPTextConfig, second: CLIPTextConfig
         raise ConfigError(f"{where}: not a consistent SDXL model: " + "; ".join(problems))
 
 
-def extra_inputs(plan: Plan, negative_prompt: str, vae_scale_factor: int, force_zeros: bool) -> dict[str, np.ndarray]:
+def extra_inputs(
+    plan: Plan, negative_prompt: str | None, vae_scale_factor: int, force_zeros: bool
+) -> dict[str, np.ndarray]:
     """The per-image inputs of `encode_sdxl` besides token ids, batch first so that they shard like the images."""
     height, width = plan.latent_height * vae_scale_factor, plan.latent_width * vae_scale_factor
     return {
         "time_ids": np.broadcast_to(add_time_ids(height, width), (plan.batch, TIME_IDS)).copy(),
-        # diffusers zeroes the negative embeddings when no negative prompt is given at all (None); ours is "".
-        "zero_negative": np.full((plan.batch,), force_zeros and not negative_prompt.strip()),
+        # As diffusers: no negative prompt at all (None) means zero embeddings; "" is encoded as text.
+        "zero_negative": np.full((plan.batch,), force_zeros and negative_prompt is None),
     }

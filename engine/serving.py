@@ -1,61 +1,37 @@
-"""The Engine: loads a model once, places it on a device mesh, precompiles, serves requests.
+"""The Engine: the public face. Loads a model once, places it on a device mesh, warms up, serves requests.
 
-Params are replicated over a `jax.sharding.Mesh` of every device (`P()`), the image batch is
-sharded over its `data` axis (`P('data')`). Compiled programs are kept per `Plan`, so a new
-prompt, seed, step count or guidance scale reuses them; JAX's persistent compilation cache
-keeps them across restarts.
+Params are replicated over a `jax.sharding.Mesh` of every device (`P()`); image slots are sharded over
+its `data` axis (`P('data')`). A request becomes a `Job` (token ids, schedule, seeds) and goes to the
+`Batcher`, whose thread runs every request's images in shared batches (see engine/batcher.py);
+compiled programs live in `Programs`, a bounded cache (engine/programs.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from PIL import Image
 
 from . import schedulers
-from .loading import LoadedModel, load_model_folder
-from .pipeline import Plan, decode, denoise, initial_latents, prepare
+from .batcher import Batcher, Job
+from .loading import FAMILY_MAX_SIDE, LoadedModel, load_model_folder
+from .pipeline import Admission, Plan
+from .preview import PreviewMap, fit_preview
+from .request import GenerationRequest, GenerationResult, InvalidRequest, Limits, common_sizes
+from .ticket import Progress, Ticket
 
-MAX_STEPS = 150
-PROGRESS_UPDATES = 50  # at most this many progress reports (and loop calls) per request
-MAX_SIDE = 2048
-SEED_LIMIT = 2**32
+log = logging.getLogger("jax-sd")
 
-
-_DISK_CACHE_HITS = [0]  # programs JAX loaded from its persistent cache instead of compiling
-
-
-def _count_cache_hits(event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _DISK_CACHE_HITS[0] += 1
-
-
-jax.monitoring.register_event_listener(_count_cache_hits)
-
-
-class InvalidRequest(ValueError):
-    """Bad user input; the message says what to change."""
-
-
-@dataclass
-class GenerationResult:
-    images: list[Image.Image]
-    seeds: list[int]
-    devices: list[str]
-    timings: dict[str, float]
-    compiled: bool  # a program was compiled for this call (loading one from the disk cache does not count)
-    warnings: list[str] = field(default_factory=list)
-    arrays: np.ndarray | None = None  # [n, h, w, 3] float32 in [0, 1], before rounding to 8 bits
+DEFAULT_MAX_BATCH_SIZE = 8  # image slots drawn at once over all devices
 
 
 def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
@@ -76,174 +52,201 @@ def _device_name(device: jax.Device) -> str:
     return f"{device.platform}:{device.id}"
 
 
-class Engine:
-    """A loaded pipeline on every local device; `generate` is safe to call from many threads."""
+@dataclasses.dataclass
+class Warmup:
+    """The start-up compilation of the default shapes, which runs in the background."""
 
-    def __init__(self, model: LoadedModel, devices: list[jax.Device] | None = None, images_per_device: int = 1):
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    seconds: float | None = None
+    error: str | None = None
+
+
+class Engine:
+    """A loaded pipeline on every local device; `submit` and `generate` are safe to call from many threads."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        devices: list[jax.Device] | None = None,
+        images_per_device: int = 1,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        sizes: list[tuple[int, int]] | str | None = None,
+        chunk_steps: int = 1,
+        max_waiting: int = 256,
+        max_plans: int = 8,
+        previews: bool = True,
+    ):
+        """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
+        None for any size in range. `max_batch_size` is rounded up to a multiple of the device count."""
         self.model = model
         self.family = model.family  # "sd" or "sdxl"
         self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
-        self.schedulers = schedulers.SCHEDULERS
-        self.max_steps = MAX_STEPS
         self.example_prompts = list(model.example_prompts)
         self.images_per_device = images_per_device
         self._devices = list(devices or jax.devices())
         self.devices = [_device_name(d) for d in self._devices]
+        n = len(self._devices)
+        self.batch_size = -(-max(1, max_batch_size) // n) * n
         self.mesh = Mesh(np.array(self._devices), ("data",))
-        self._replicated = NamedSharding(self.mesh, P())
-        self._batch = NamedSharding(self.mesh, P("data"))
-        self.params = jax.device_put(model.params, self._replicated)
+        self._lanes = NamedSharding(self.mesh, P("data"))
+        replicated = NamedSharding(self.mesh, P())
+        self.params = jax.device_put(model.params, replicated)
         self.defaults = dict(model.defaults)
-        self._compiled: dict[tuple[Plan, str], Callable] = {}
-        self._lock = threading.Lock()  # one generation at a time: the devices are shared
-        self._noise = jax.jit(initial_latents, static_argnums=1, out_shardings=self._batch)
-        self.compile_count = 0
-        self._compiled_fresh = False  # the current request compiled (not just loaded) a program
+        factor = model.vae_scale_factor
+        if sizes == "common":
+            sizes = common_sizes(self.defaults["width"], factor)
+        self.limits = Limits(
+            schedulers=schedulers.SCHEDULERS,
+            side_multiple=factor,
+            max_side=FAMILY_MAX_SIDE[model.family],
+            max_clip_skip=model.max_clip_skip,
+            devices=n,
+            sizes=None if sizes is None else tuple((int(w), int(h)) for w, h in sizes),
+        )
+        from .programs import Programs
 
-    # -- validation ---------------------------------------------------------------------
-    def _check(self, prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler, clip_skip):
-        if not isinstance(prompt, str) or not isinstance(negative_prompt, str):
-            raise InvalidRequest("prompt and negative prompt must be text")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
-            raise InvalidRequest(f"seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {seed!r}")
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= self.max_steps:
-            raise InvalidRequest(f"steps must be a whole number from 1 to {self.max_steps}, got {steps!r}")
-        if not isinstance(guidance, (int, float)) or not np.isfinite(guidance) or not 0 <= guidance <= 50:
-            raise InvalidRequest(f"guidance scale must be a number from 0 to 50, got {guidance!r}")
-        factor = self.model.vae_scale_factor
-        for name, side in (("height", height), ("width", width)):
-            if (
-                isinstance(side, bool)
-                or not isinstance(side, (int, np.integer))
-                or side % factor
-                or not factor <= side <= MAX_SIDE
-            ):
-                raise InvalidRequest(f"{name} must be a multiple of {factor} from {factor} to {MAX_SIDE}, got {side!r}")
-        if isinstance(num_images, bool) or not isinstance(num_images, (int, np.integer)) or not 1 <= num_images <= 64:
-            raise InvalidRequest(f"number of images must be from 1 to 64, got {num_images!r}")
-        if scheduler not in self.schedulers:
-            raise InvalidRequest(f"unknown scheduler {scheduler!r}; choose one of {', '.join(self.schedulers)}")
-        top = self.model.max_clip_skip
-        if isinstance(clip_skip, bool) or not isinstance(clip_skip, (int, np.integer)) or not 0 <= clip_skip <= top:
-            raise InvalidRequest(f"clip_skip must be a whole number from 0 to {top}, got {clip_skip!r}")
+        self.programs = Programs(model.graphdef, self.params, self._lanes, replicated, self._example, max_plans)
+        self._blanks: dict[Plan, Job] = {}
+        self.preview: PreviewMap | None = None
+        self._want_previews = previews
+        self.warmup_state = Warmup()
+        self._batcher = Batcher(
+            self.programs,
+            self.params,
+            self._blank,
+            self.devices,
+            self._lanes,
+            chunk_steps=chunk_steps,
+            max_waiting=max_waiting,
+        )
 
-    # -- compilation --------------------------------------------------------------------
-    def _plan(self, num_images, height, width, scheduler, guidance, clip_skip) -> Plan:
-        factor, n_dev = self.model.vae_scale_factor, len(self._devices)
-        batch = -(-num_images // n_dev) * n_dev  # pad up to a multiple of the device count
-        latent_h, latent_w, steps = height // factor, width // factor, self.max_steps
-        return Plan(batch, latent_h, latent_w, scheduler, steps, guidance > 1.0, self.family, int(clip_skip))
+    # -- what the page reads ---------------------------------------------------------------
+    @property
+    def schedulers(self) -> tuple[str, ...]:
+        return self.limits.schedulers
+
+    @property
+    def max_steps(self) -> int:
+        return self.limits.max_steps
+
+    @property
+    def compile_count(self) -> int:
+        """Plans compiled (or loaded from the disk cache) so far; each is a set of programs."""
+        return self.programs.compile_count
 
     @property
     def compiled_plans(self) -> list[Plan]:
-        """The static shapes compiled so far, oldest first."""
-        return [plan for plan, stage in self._compiled if stage == "prepare"]
+        """The static shapes compiled and held now, least recently used first."""
+        return self.programs.plans
 
-    def _compiled_call(self, plan: Plan, name: str, fn: Callable, *args, out_shardings=None):
-        """Runs stage `name` of `plan`, compiling it ahead of time on first use; returns (outputs, seconds compiling)."""
-        program = self._compiled.get((plan, name))
-        compile_s = 0.0
-        if program is None:
-            start, hits = time.perf_counter(), _DISK_CACHE_HITS[0]
-            jitted = jax.jit(fn, static_argnums=(0, 1), out_shardings=out_shardings)
-            program = jitted.lower(plan, self.model.graphdef, *args).compile()
-            self._compiled[(plan, name)] = program
-            compile_s = time.perf_counter() - start
-            self._compiled_fresh |= _DISK_CACHE_HITS[0] == hits  # not loaded from disk: really compiled
-        return program(*args), compile_s
+    @property
+    def ready(self) -> bool:
+        return self.warmup_state.done.is_set()
 
-    def _run(self, plan: Plan, args, progress: Callable[[int, int], None] | None) -> tuple[np.ndarray, float]:
-        """prepare -> denoise (in chunks when reporting progress) -> decode; returns images and compile seconds."""
-        params, ids, neg_ids, extra, latents, seeds, tables, guidance = args
-        if (plan, "prepare") not in self._compiled:
-            self.compile_count += 1  # counts plans: each compiles its three programs once
-        (cond, x, state), c1 = self._compiled_call(
-            plan, "prepare", prepare, params, ids, neg_ids, extra, latents, tables
+    # -- requests -> jobs ------------------------------------------------------------------
+    def plan(self, r: GenerationRequest) -> Plan:
+        factor = self.model.vae_scale_factor
+        return Plan(
+            batch=self.batch_size,
+            latent_height=r.height // factor,
+            latent_width=r.width // factor,
+            scheduler=r.scheduler,
+            max_steps=self.limits.max_steps,
+            guidance=r.guided,
+            family=self.family,
+            clip_skip=int(r.clip_skip),
+            devices=len(self._devices),
         )
-        total = int(tables.num_loop_steps)
-        # Without progress the loop is one call; with it, at most PROGRESS_UPDATES calls, each
-        # queued before waiting on the one before, so the device never waits for the host.
-        chunk = total if progress is None else -(-total // PROGRESS_UPDATES)
-        bounds = [*range(0, total, chunk), total]
-        compile_s, pending = c1, None
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            a, b = (jax.device_put(np.int32(v), self._replicated) for v in (a, b))
-            # The loop's outputs keep its inputs' layout, so that each chunk feeds the next one.
-            carry_shardings = jax.tree.map(lambda v: v.sharding, (x, state))
-            (x, state), c2 = self._compiled_call(
-                plan,
-                "denoise",
-                denoise,
-                params,
-                cond,
-                x,
-                state,
-                seeds,
-                tables,
-                guidance,
-                a,
-                b,
-                out_shardings=carry_shardings,
-            )
-            compile_s += c2
-            if progress is not None:
-                if pending is not None:
-                    pending[0].block_until_ready()
-                    progress(pending[1], total)
-                pending = (x, int(b))
-        images, c3 = self._compiled_call(plan, "decode", decode, params, x)
-        if pending is not None:
-            pending[0].block_until_ready()
-            progress(pending[1], total)
-        return np.asarray(images), compile_s + c3
 
-    def _inputs(
-        self, plan: Plan, prompt: str, negative_prompt: str, seeds: np.ndarray, steps: int, guidance: float, latents
-    ):
-        ids, warnings = self.model.tokenize(prompt)
-        neg_ids, neg_warnings = self.model.tokenize(negative_prompt, what="negative prompt")
-        ids = np.broadcast_to(ids, (plan.batch, *ids.shape[1:]))  # [batch, 77] or [batch, encoders, 77]
-        neg_ids = np.broadcast_to(neg_ids, (plan.batch, *neg_ids.shape[1:]))
-        extra = self.model.extra_inputs(plan, negative_prompt)
-        seeds_dev = jax.device_put(seeds, self._batch)
-        if latents is None:
-            shape = (plan.latent_height, plan.latent_width, self.model.latent_channels)
-            latents = self._noise(seeds_dev, shape)
-        else:
-            latents = jax.device_put(latents, self._batch)
-        tables = schedulers.tables(self.model.scheduler_config, plan.scheduler, steps, plan.max_steps)
-        put = lambda x: jax.device_put(x, self._batch)  # noqa: E731
-        args = (
-            self.params,
-            put(ids.astype(np.int32)),
-            put(neg_ids.astype(np.int32)),
-            jax.tree.map(put, extra),
-            latents,
-            seeds_dev,
-            jax.device_put(tables, self._replicated),
-            jax.device_put(jnp.float32(guidance), self._replicated),
+    def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
+        return (plan.latent_height, plan.latent_width, self.model.latent_channels)
+
+    def _job(self, ticket: Ticket, r: GenerationRequest, plan: Plan) -> Job:
+        ids, neg_ids, extra = self._tokens(r, plan)
+        latents = None
+        if r.latents is not None:
+            want = (r.num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
+            latents = np.asarray(r.latents, np.float32)
+            if latents.shape != want:
+                raise InvalidRequest(
+                    f"latents must have shape {want} (images, channels, height/8, width/8), got {latents.shape}"
+                )
+            latents = latents.transpose(0, 2, 3, 1)  # NCHW -> NHWC
+        return Job(
+            ticket=ticket,
+            plan=plan,
+            ids=ids,
+            neg_ids=neg_ids,
+            extra=extra,
+            tables=schedulers.tables(self.model.scheduler_config, r.scheduler, r.num_inference_steps, plan.max_steps),
+            seeds=r.image_seeds(),
+            guidance_scale=float(r.guidance_scale),
+            latents=latents,
+            latent_shape=self._latent_shape(plan),
         )
-        return args, warnings + neg_warnings
 
-    # -- the public face ----------------------------------------------------------------
-    def warmup(self, num_images: int | None = None, height: int | None = None, width: int | None = None) -> float:
-        """Compiles the default shapes ahead of the first request, with guidance on and off; returns seconds.
+    def _tokens(self, r: GenerationRequest, plan: Plan) -> tuple[np.ndarray, np.ndarray, dict]:
+        """One image's token ids ([77], SDXL [2, 77]), negative ids and the family's other inputs."""
+        ids, _ = self.model.tokenize(r.prompt)
+        neg_ids, _ = self.model.tokenize(r.negative_prompt or "", what="negative prompt")
+        one = dataclasses.replace(plan, batch=1, devices=1)
+        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.negative_prompt).items()}
+        return ids[0], neg_ids[0], extra
 
-        Guidance on (scale > 1) and off are two programs, so both are built: moving the guidance
-        slider across 1 must not compile while a user waits.
-        """
-        start = time.perf_counter()
-        for guidance in (self.defaults["guidance_scale"], 1.0 if self.defaults["guidance_scale"] > 1 else 7.5):
-            self.generate(
-                "", num_inference_steps=1, num_images=num_images, height=height, width=width, guidance_scale=guidance
+    def _warnings(self, r: GenerationRequest) -> list[str]:
+        found = self.model.tokenize(r.prompt)[1] + self.model.tokenize(r.negative_prompt or "", "negative prompt")[1]
+        return list(dict.fromkeys(found))
+
+    def _blank(self, plan: Plan) -> Job:
+        """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
+        if plan not in self._blanks:
+            r = GenerationRequest(
+                "",
+                "",
+                num_inference_steps=1,
+                guidance_scale=0.0,
+                scheduler=plan.scheduler,
+                num_images=1,
+                height=1,
+                width=1,
             )
-        return time.perf_counter() - start
+            job = self._job(Ticket(r, []), r, plan)
+            job.tables = dataclasses.replace(job.tables, num_loop_steps=np.int32(0))
+            self._blanks[plan] = job
+        return self._blanks[plan]
+
+    def _example(self, plan: Plan) -> Admission:
+        """An admission of empty slots: the shapes and dtypes the plan's programs take."""
+        row = self._blank(plan)
+        b = plan.batch
+        stack = lambda a: np.stack([np.asarray(a)] * b)  # noqa: E731
+        return Admission(
+            mask=np.zeros(b, bool),
+            ids=stack(row.ids),
+            neg_ids=stack(row.neg_ids),
+            extra={k: stack(v) for k, v in row.extra.items()},
+            latents=np.zeros((b, *row.latent_shape), np.float32),
+            given=np.zeros(b, bool),
+            seeds=np.zeros(b, np.uint32),
+            guidance_scale=np.zeros(b, np.float32),
+            tables=jax.tree.map(stack, row.tables),
+        )
+
+    def submit(self, request: GenerationRequest) -> Ticket:
+        """Queues a request; returns at once with its Ticket. Raises InvalidRequest, or Busy when the queue is full."""
+        if not isinstance(request, GenerationRequest):
+            raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
+        r = self.limits.resolve(request, self.defaults, self.images_per_device)
+        plan = self.plan(r)
+        ticket = Ticket(r, self._warnings(r))
+        self._batcher.submit(self._job(ticket, r, plan))
+        return ticket
 
     def generate(
         self,
         prompt: str,
-        negative_prompt: str = "",
+        negative_prompt: str | None = None,
         seed: int = 0,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
@@ -255,47 +258,68 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
         clip_skip: int = 0,
     ) -> GenerationResult:
-        """One batch of images. `clip_skip` k reads the text encoders k layers before their usual output."""
-        d = self.defaults
-        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
-        guidance = d["guidance_scale"] if guidance_scale is None else guidance_scale
-        height = d["height"] if height is None else height
-        width = d["width"] if width is None else width
-        num_images = len(self._devices) * self.images_per_device if num_images is None else num_images
-        scheduler = d["scheduler"] if scheduler is None else scheduler
-        self._check(prompt, negative_prompt, seed, steps, guidance, height, width, num_images, scheduler, clip_skip)
-        plan = self._plan(num_images, height, width, scheduler, float(guidance), clip_skip)
-        seeds = (np.arange(plan.batch, dtype=np.uint64) + int(seed)) % SEED_LIMIT
-        if latents is not None:
-            want = (num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
-            latents = np.asarray(latents, np.float32)
-            if latents.shape != want:
-                raise InvalidRequest(
-                    f"latents must have shape {want} (images, channels, height/8, width/8), got {latents.shape}"
-                )
-            latents = latents.transpose(0, 2, 3, 1)  # NCHW -> NHWC
-            pad = plan.batch - num_images
-            latents = np.concatenate([latents, np.zeros((pad, *latents.shape[1:]), np.float32)]) if pad else latents
-        with self._lock:
-            start = time.perf_counter()
-            args, warnings = self._inputs(
-                plan, prompt, negative_prompt, seeds.astype(np.uint32), steps, float(guidance), latents
-            )
-            run_start = time.perf_counter()
-            self._compiled_fresh = False
-            images, compile_s = self._run(plan, args, progress)
-            images = images[:num_images]
-            run_s = time.perf_counter() - run_start - compile_s
-        per_device = plan.batch // len(self._devices)
-        return GenerationResult(
-            images=[Image.fromarray(np.round(img * 255).astype(np.uint8)) for img in images],
-            seeds=[int(s) for s in seeds[:num_images]],
-            devices=[self.devices[k // per_device] for k in range(num_images)],
-            timings={"compile_s": compile_s, "run_s": run_s, "total_s": time.perf_counter() - start},
-            compiled=self._compiled_fresh,
-            warnings=warnings,
-            arrays=images,
+        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early."""
+        request = GenerationRequest(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            seed=seed,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            num_images=num_images,
+            scheduler=scheduler,
+            clip_skip=clip_skip,
+            latents=latents,
         )
+        ticket = self.submit(request)
+        if progress is not None:
+            ticket.subscribe(lambda e: progress(e.step, e.total) if isinstance(e, Progress) else None)
+        return ticket.result()
+
+    # -- start-up ---------------------------------------------------------------------------
+    def warmup_plans(self, num_images: int | None = None) -> list[Plan]:
+        """The default size with guidance on and off: moving the guidance slider across 1 never compiles."""
+        g = self.defaults["guidance_scale"]
+        plans = []
+        for guidance in (g, 1.0 if g > 1 else 7.5):
+            r = self.limits.resolve(
+                GenerationRequest("", guidance_scale=guidance, num_images=num_images),
+                self.defaults,
+                self.images_per_device,
+            )
+            plans.append(self.plan(r))
+        return plans
+
+    def warmup(self, num_images: int | None = None) -> float:
+        """Compiles the default shapes (kept in the cache for good) and fits the previews; returns seconds."""
+        start = time.perf_counter()
+        for plan in self.warmup_plans(num_images):
+            self.programs.compile(plan, pin=True)
+        if self._want_previews and self.preview is None:
+            self.preview = fit_preview(self.model.graphdef, self.params, self.model.latent_channels, self.family)
+            self._batcher.preview = self.preview
+        return time.perf_counter() - start
+
+    def start_warmup(self, num_images: int | None = None) -> Engine:
+        """`warmup` in a background thread; `ready` and `warmup_state` say how it went."""
+
+        def run() -> None:
+            try:
+                self.warmup_state.seconds = self.warmup(num_images)
+                log.info("warm-up finished in %.1f s", self.warmup_state.seconds)
+            except Exception as e:  # the first request compiles instead; the engine stays up
+                self.warmup_state.error = f"{type(e).__name__}: {e}"
+                log.exception("warm-up failed")
+            finally:
+                self.warmup_state.done.set()
+
+        threading.Thread(target=run, name="jax-sd-warmup", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._batcher.close()
+        self.programs.shutdown()
 
 
 def load_pipeline(
@@ -303,7 +327,11 @@ def load_pipeline(
     dtype: str | None = None,
     images_per_device: int = 1,
     devices: list[jax.Device] | None = None,
+    **serving,
 ) -> Engine:
-    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id)."""
+    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
+
+    `serving`: the Engine's options (max_batch_size, sizes, chunk_steps, max_waiting, max_plans, previews).
+    """
     model = load_model_folder(source, dtype or default_dtype())
-    return Engine(model, devices=devices, images_per_device=images_per_device)
+    return Engine(model, devices=devices, images_per_device=images_per_device, **serving)

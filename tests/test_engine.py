@@ -229,7 +229,7 @@ def test_a_restart_loads_the_programs_from_the_disk_cache(tmp_path):
     code = """
         from engine import enable_compile_cache, load_pipeline
         enable_compile_cache(OUT / "xla")
-        result = load_pipeline().generate("a", num_inference_steps=2, height=40, width=40)
+        result = load_pipeline().generate("a", num_inference_steps=2, height=72, width=72)
         print("compiled" if result.compiled else "loaded")
         """
     assert run_with_devices(1, code, tmp_path).split()[-1] == "compiled"

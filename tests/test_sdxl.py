@@ -168,16 +168,16 @@ def test_text_encoding_matches_diffusers(sdxl):
         assert rel_error(got.text_embeds, pooled) < 1e-4
 
 
-@pytest.mark.parametrize(("guidance", "negative"), [(0.0, ""), (5.0, ""), (5.0, NEGATIVE)])
+@pytest.mark.parametrize(("guidance", "negative"), [(0.0, None), (5.0, None), (5.0, ""), (5.0, NEGATIVE)])
 def test_images_match_diffusers(sdxl, guidance, negative):
     reference, ours = sdxl
     start = latents()
-    # diffusers tells "no negative prompt" (None: zero embeddings, force_zeros_for_empty_prompt) from "".
+    # As diffusers: no negative prompt (None) means zero embeddings (force_zeros_for_empty_prompt); "" is text.
     want = run_reference(
         reference,
         start,
         prompt=PROMPT,
-        negative_prompt=negative or None,
+        negative_prompt=negative,
         guidance_scale=guidance,
         num_inference_steps=STEPS,
     )

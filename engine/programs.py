@@ -1,0 +1,216 @@
+"""The compiled programs of each `Plan` (admit, advance, decode), kept in a bounded cache and built off-thread.
+
+A plan is a static shape: its three programs are compiled ahead of time, together, on a compile thread
+of their own, so that a request for a new size never holds up the batches already running. The cache
+keeps at most `max_plans` plans; the least recently used one goes first, never a pinned one (the
+warm-up's). A batch keeps its own reference to the programs it runs, so an eviction never breaks it.
+JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.stages import Compiled
+
+from . import pipeline
+from .pipeline import Plan, Slots
+
+log = logging.getLogger("jax-sd")
+
+
+@functools.cache
+def _disk_cache_hits() -> list[int]:
+    """Programs JAX loaded from its persistent cache instead of compiling; a listener registered on first use."""
+    hits = [0]
+
+    def count(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits[0] += 1
+
+    jax.monitoring.register_event_listener(count)
+    return hits
+
+
+def lane_widths(slots_per_device: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the slots on a device: the widths a batch's programs come in."""
+    widths = [1]
+    while widths[-1] < slots_per_device:
+        widths.append(min(2 * widths[-1], slots_per_device))
+    return tuple(widths)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """The three programs of one plan at one width (slots run per device)."""
+
+    admit: Compiled  # (params, slots, admission) -> slots
+    advance: Compiled  # (params, slots, num_steps) -> (slots, finite [batch])
+    decode: Compiled  # (params, latents) -> images [devices * lanes, H, W, 3] in [0, 1]
+    seconds: float  # compiling (or loading from the disk cache) took this long
+    fresh: bool  # at least one program was compiled, not loaded from the disk cache
+
+
+@dataclass
+class CompiledPlan:
+    """One plan's programs by width. The narrowest and the widest come first; the others when a batch asks."""
+
+    plan: Plan
+    empty: Callable[[], Slots]  # a batch of empty slots, laid out for these programs
+    lanes: dict[int, Lanes]
+
+    def fit(self, needed: int) -> int:
+        """The narrowest compiled width that holds `needed` lanes."""
+        return min(w for w in self.lanes if w >= needed)
+
+    @property
+    def seconds(self) -> float:
+        return sum(lane.seconds for lane in self.lanes.values())
+
+    @property
+    def fresh(self) -> bool:
+        return any(lane.fresh for lane in self.lanes.values())
+
+
+class Programs:
+    """Plan -> CompiledPlan, bounded, least recently used first out; compiles on one background thread."""
+
+    def __init__(self, graphdef, params, batch: NamedSharding, replicated: NamedSharding, example, max_plans: int = 8):
+        """`example(plan)` gives a host `Admission` of empty slots for a plan: the shapes the programs take."""
+        self.graphdef, self.params = graphdef, params
+        self._batch, self._replicated = batch, replicated
+        self._example = example
+        self.max_plans = max_plans
+        self.compile_count = 0  # plans compiled (or loaded from disk) so far, evictions included
+        self._ready: OrderedDict[Plan, CompiledPlan] = OrderedDict()
+        self._pending: dict[Plan, Future] = {}
+        self._pinned: set[Plan] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jax-sd-compile")
+        self._hits = _disk_cache_hits()
+
+    # -- the cache ------------------------------------------------------------------------
+    def get(self, plan: Plan) -> CompiledPlan | None:
+        """The plan's programs if compiled, marking them recently used; None otherwise."""
+        with self._lock:
+            compiled = self._ready.get(plan)
+            if compiled is not None:
+                self._ready.move_to_end(plan)
+            return compiled
+
+    def request(self, plan: Plan, on_done: Callable[[Future], None] | None = None, pin: bool = False) -> Future:
+        """Starts compiling `plan` (its narrowest and widest programs) in the background unless done or under way."""
+        with self._lock:
+            if pin:
+                self._pinned.add(plan)
+            if plan in self._ready:
+                future: Future = Future()
+                future.set_result(self._ready[plan])
+            elif plan in self._pending:
+                future = self._pending[plan]
+            else:
+                future = self._pool.submit(self._compile, plan)
+                self._pending[plan] = future
+        if on_done is not None:
+            future.add_done_callback(on_done)
+        return future
+
+    def request_width(self, compiled: CompiledPlan, width: int, on_done: Callable[[], None]) -> None:
+        """Adds one more width to a compiled plan, in the background; a batch uses a wider one meanwhile."""
+        key = (compiled.plan, width)
+        with self._lock:
+            if width in compiled.lanes or key in self._pending:
+                return
+            self._pending[key] = self._pool.submit(self._add_width, compiled, width, on_done)
+
+    def compile(self, plan: Plan, pin: bool = False, every_width: bool = False) -> CompiledPlan:
+        """Blocks until `plan` is compiled (with `every_width`, at every width); raises what compiling raised."""
+        compiled = self.request(plan, pin=pin).result()
+        if every_width:
+            for width in lane_widths(plan.slots_per_device):
+                if width not in compiled.lanes:
+                    self._add_width(compiled, width, lambda: None)
+        return compiled
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The plans held now, least recently used first."""
+        with self._lock:
+            return list(self._ready)
+
+    def _compile(self, plan: Plan) -> CompiledPlan:
+        try:
+            widths = lane_widths(plan.slots_per_device)
+            compiled = self._build(plan, sorted({widths[0], widths[-1]}))
+        finally:
+            with self._lock:
+                self._pending.pop(plan, None)
+        with self._lock:
+            self._ready[plan] = compiled
+            self.compile_count += 1
+            self._evict()
+        return compiled
+
+    def _add_width(self, compiled: CompiledPlan, width: int, on_done: Callable[[], None]) -> None:
+        try:
+            lanes = self._build(compiled.plan, [width]).lanes[width]
+            compiled.lanes = {**compiled.lanes, width: lanes}  # a new dict: readers never see it half-built
+        except Exception:
+            log.exception("compiling %s at width %d failed; the wider programs serve it", compiled.plan, width)
+        finally:
+            with self._lock:
+                self._pending.pop((compiled.plan, width), None)
+            on_done()
+
+    def _evict(self) -> None:
+        unpinned = [p for p in self._ready if p not in self._pinned]
+        while len(self._ready) > self.max_plans and unpinned:
+            del self._ready[unpinned.pop(0)]
+            # JAX's own tracing caches hold each plan's jaxprs too; dropping them frees that memory.
+            jax.clear_caches()
+
+    # -- building the programs -------------------------------------------------------------
+    def _build(self, plan: Plan, widths: list[int]) -> CompiledPlan:
+        put = lambda tree, sharding: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+        admission = put(self._example(plan), self._batch)
+        shapes = jax.eval_shape(functools.partial(pipeline.empty_slots, plan, self.graphdef), self.params, admission)
+        slots = put(shapes, self._batch)
+        steps = jax.ShapeDtypeStruct((), "int32", sharding=self._replicated)
+        every = self._batch  # every leaf of slots, admissions and images has the slot axis first
+        # Donating the slots lets each chunk update the batch in place: one copy of it, not two.
+        donate = () if jax.default_backend() == "cpu" else (4,)
+
+        def lower(fn, width, *args, out_shardings, donate=()):
+            jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=out_shardings, donate_argnums=donate)
+            return jitted.lower(plan, width, self.graphdef, self.params, *args).compile()
+
+        lanes = {}
+        for width in widths:
+            start, hits = time.perf_counter(), self._hits[0]
+            lanes[width] = Lanes(
+                admit=lower(pipeline.admit, width, slots, admission, out_shardings=every, donate=donate),
+                advance=lower(pipeline.advance, width, slots, steps, out_shardings=(every, every), donate=donate),
+                decode=lower(pipeline.decode_lanes, width, slots.x, out_shardings=every),
+                seconds=time.perf_counter() - start,
+                fresh=self._hits[0] - hits < 3,  # three programs; each one loaded from disk counts a hit
+            )
+
+        def empty() -> Slots:
+            return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), slots)
+
+        return CompiledPlan(plan, empty, lanes)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,163 @@
+"""What travels from the page to the UNet: a frozen `GenerationRequest`, the `Limits` it is checked against,
+and the `GenerationResult` that comes back.
+
+One validator (`Limits.check`) for the engine, the page and the API: the page reads its slider ranges and
+its sizes from the same `Limits`, so the two can never disagree. Values keep their names from the page to
+`pipeline.denoise` (`guidance_scale`, `num_inference_steps`, ...), as diffusers' `__call__` names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+SEED_LIMIT = 2**32  # seeds are uint32, as PRNGKey takes them
+
+
+class InvalidRequest(ValueError):
+    """Bad user input; the message says what to change."""
+
+
+class Busy(RuntimeError):
+    """The engine's waiting room is full; the message says to try again shortly."""
+
+
+class Cancelled(RuntimeError):
+    """The request was stopped (Stop button, closed tab, or `Ticket.cancel`)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One user's request. None means "the model's default" until `Limits.resolve` fills it in."""
+
+    prompt: str
+    negative_prompt: str | None = None  # None: no negative prompt at all (SDXL zeroes it); "": the empty text
+    seed: int = 0  # image k uses seed + k (mod 2**32)
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None  # classifier-free guidance; off at <= 1
+    height: int | None = None
+    width: int | None = None
+    num_images: int | None = None  # default: images_per_device on every device
+    scheduler: str | None = None
+    clip_skip: int = 0  # read the text encoder this many layers before its last
+    latents: np.ndarray | None = field(default=None, compare=False, repr=False)  # [n, c, h/8, w/8] NCHW noise
+
+    @property
+    def guided(self) -> bool:
+        """Guidance at scale <= 1 changes nothing, so the unconditional half is not computed at all."""
+        return float(self.guidance_scale) > 1.0
+
+    def image_seeds(self) -> list[int]:
+        return [(int(self.seed) + k) % SEED_LIMIT for k in range(int(self.num_images))]
+
+
+def _whole(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def size_label(width: int, height: int) -> str:
+    return f"{width}x{height}"
+
+
+def common_sizes(side: int, multiple: int) -> tuple[tuple[int, int], ...]:
+    """The model's own square and the usual aspect ratios at about the same pixel count, (width, height).
+
+    Like SDXL's training buckets: 4:3, 3:2 and 16:9, each both ways, sides rounded to `multiple`.
+    """
+    sizes = [(side, side)]
+    for long, short in ((4, 3), (3, 2), (16, 9)):
+        scale = side / math.sqrt(long * short)
+        w = max(multiple, round(long * scale / multiple) * multiple)
+        h = max(multiple, round(short * scale / multiple) * multiple)
+        sizes += [(w, h), (h, w)]
+    return tuple(dict.fromkeys(sizes))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The ranges the engine accepts, published for the page."""
+
+    schedulers: tuple[str, ...]
+    side_multiple: int  # the VAE's downscale factor: latents are (height, width) / side_multiple
+    max_side: int
+    max_clip_skip: int
+    devices: int
+    sizes: tuple[tuple[int, int], ...] | None = None  # (width, height) offered; None: any size in range
+    max_steps: int = 150
+    guidance_range: tuple[float, float] = (0.0, 30.0)
+    max_images: int = 64
+    max_images_per_device: int = 8
+    max_prompt_chars: int = 2000  # the text encoder reads 77 tokens; this only stops absurd payloads
+
+    @property
+    def min_side(self) -> int:
+        return 8 * self.side_multiple  # a latent of at least 8x8
+
+    def resolve(self, request: GenerationRequest, defaults: dict, images_per_device: int = 1) -> GenerationRequest:
+        """Fills the None fields with the model's defaults, then checks the request; returns it complete."""
+        fill = {
+            name: defaults[name]
+            for name in ("num_inference_steps", "guidance_scale", "height", "width", "scheduler")
+            if getattr(request, name) is None
+        }
+        if request.num_images is None:
+            fill["num_images"] = self.devices * images_per_device
+        request = dataclasses.replace(request, **fill) if fill else request
+        self.check(request)
+        return request
+
+    def check(self, r: GenerationRequest) -> None:
+        """Raises InvalidRequest with a message that says what to change; the first problem found wins."""
+        for name, text in (("prompt", r.prompt), ("negative prompt", r.negative_prompt)):
+            if text is None and name == "negative prompt":
+                continue
+            if not isinstance(text, str):
+                raise InvalidRequest(f"{name} must be text")
+            if len(text) > self.max_prompt_chars:
+                raise InvalidRequest(f"{name} is too long ({len(text)} characters; at most {self.max_prompt_chars})")
+        if not _whole(r.seed) or not 0 <= r.seed < SEED_LIMIT:
+            raise InvalidRequest(f"seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {r.seed!r}")
+        steps = r.num_inference_steps
+        if not _whole(steps) or not 1 <= steps <= self.max_steps:
+            raise InvalidRequest(f"steps must be a whole number from 1 to {self.max_steps}, got {steps!r}")
+        low, high = self.guidance_range
+        g = r.guidance_scale
+        if not _number(g) or not math.isfinite(g) or not low <= g <= high:
+            raise InvalidRequest(f"guidance scale must be a number from {low:g} to {high:g}, got {g!r}")
+        m = self.side_multiple
+        for name, side in (("height", r.height), ("width", r.width)):
+            if not _whole(side) or side % m or not self.min_side <= side <= self.max_side:
+                raise InvalidRequest(
+                    f"{name} must be a multiple of {m} from {self.min_side} to {self.max_side}, got {side!r}"
+                )
+        if self.sizes is not None and (r.width, r.height) not in self.sizes:
+            offered = ", ".join(size_label(w, h) for w, h in self.sizes)
+            raise InvalidRequest(f"size {size_label(r.width, r.height)} is not offered here; choose one of {offered}")
+        if not _whole(r.num_images) or not 1 <= r.num_images <= self.max_images:
+            raise InvalidRequest(f"number of images must be from 1 to {self.max_images}, got {r.num_images!r}")
+        if r.scheduler not in self.schedulers:
+            raise InvalidRequest(f"unknown scheduler {r.scheduler!r}; choose one of {', '.join(self.schedulers)}")
+        if not _whole(r.clip_skip) or not 0 <= r.clip_skip <= self.max_clip_skip:
+            raise InvalidRequest(
+                f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
+            )
+
+
+@dataclass
+class GenerationResult:
+    images: list[Image.Image]
+    seeds: list[int]
+    devices: list[str]
+    timings: dict[str, float]  # queue_s, compile_s, run_s, total_s
+    compiled: bool  # this request waited for a program to be compiled (loading one from the disk cache does not count)
+    warnings: list[str] = field(default_factory=list)
+    arrays: np.ndarray | None = None  # [n, h, w, 3] float32 in [0, 1], before rounding to 8 bits
+    request: GenerationRequest | None = None  # complete: every default filled in
