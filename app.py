@@ -1,6 +1,7 @@
 """jax-sd web demo: a Gradio Blocks page over the engine.
 
-UI only: widgets, input checks with readable messages, and the gallery. Everything that
+UI only: widgets, raw values turned into a request, errors turned into messages, the gallery
+streaming previews and pictures. Everything that
 touches the model lives in `engine/`. The model comes from the server's configuration
 (`--model` or `MODEL_ID`), never from the page.
 
@@ -14,24 +15,21 @@ import argparse
 import logging
 import math
 import os
-import queue
 import secrets
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import gradio as gr
+from PIL import Image
 
 import engine
 
 log = logging.getLogger("jax-sd")
 
 API_NAME = "generate"  # gradio_client: Client(url).predict(..., api_name="/generate")
-MAX_SEED = 2**32 - 1
-MAX_PROMPT_CHARS = 2000  # the text encoder sees 77 tokens; this only stops absurd payloads
-MAX_IMAGES_PER_DEVICE = 8
-GUIDANCE_RANGE = (0.0, 30.0)
+MAX_SEED = engine.request.SEED_LIMIT - 1
+MAX_IMAGES_PER_DEVICE = engine.Limits.max_images_per_device
 
 EXAMPLE_PROMPTS = [
     "Labrador in the style of Hokusai",
@@ -51,50 +49,16 @@ THEME = gr.themes.Soft(
 )
 
 
-class Warmup:
-    """Compiles the default shapes in a background thread while the page is already up.
-
-    Requests that arrive before it finishes wait for it, so the first user never triggers a
-    second, concurrent compilation of the same shapes.
-    """
-
-    def __init__(self, pipe: Any, num_images: int | None = None):
-        self._pipe = pipe
-        self._num_images = num_images
-        self._done = threading.Event()
-        self.seconds: float | None = None
-        self.error: str | None = None
-
-    def start(self) -> Warmup:
-        threading.Thread(target=self._run, name="jax-sd-warmup", daemon=True).start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            self.seconds = float(self._pipe.warmup(num_images=self._num_images))
-            log.info("warm-up finished in %.1f s", self.seconds)
-        except Exception as e:  # the first request compiles instead; the server stays up
-            self.error = f"{type(e).__name__}: {e}"
-            log.exception("warm-up failed")
-        finally:
-            self._done.set()
-
-    @property
-    def ready(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-
 def example_prompts(pipe: Any) -> list[str]:
     """The model's own examples when it ships some (a small model knows what it can draw), else ours."""
     prompts = [p for p in getattr(pipe, "example_prompts", None) or [] if p]
     return list(dict.fromkeys(prompts or EXAMPLE_PROMPTS))
 
 
-def size_range(pipe: Any) -> tuple[int, int]:
-    return 64, (2048 if pipe.family == "sdxl" else 1024)
+def size_choices(pipe: Any) -> list[str] | None:
+    """The sizes the server offers, as "WxH" labels; None when any size in range is served."""
+    sizes = pipe.limits.sizes
+    return None if sizes is None else [f"{w}x{h}" for w, h in sizes]
 
 
 def model_summary(pipe: Any) -> str:
@@ -107,7 +71,7 @@ def model_summary(pipe: Any) -> str:
     )
 
 
-# ---- input checks: raw values in (the API sends anything), engine arguments out ----------
+# ---- raw page/API values -> a GenerationRequest; the engine's Limits check the ranges ------
 
 
 def _refuse(message: str) -> gr.Error:
@@ -115,35 +79,28 @@ def _refuse(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-def _as_int(value: Any, what: str, low: int, high: int) -> int:
+def _as_int(value: Any, what: str) -> int:
     try:
         number = float(str(value).strip()) if isinstance(value, str) else float(value)
     except (TypeError, ValueError):
-        raise _refuse(f"{what} must be a whole number from {low} to {high}, not {value!r}.") from None
+        raise _refuse(f"{what} must be a whole number, not {value!r}.") from None
     if not math.isfinite(number) or number != int(number):
-        raise _refuse(f"{what} must be a whole number from {low} to {high}, not {value!r}.")
-    if not low <= number <= high:
-        raise _refuse(f"{what} must be from {low} to {high}; {int(number)} is out of range.")
+        raise _refuse(f"{what} must be a whole number, not {value!r}.")
     return int(number)
 
 
-def _as_float(value: Any, what: str, low: float, high: float) -> float:
+def _as_float(value: Any, what: str) -> float:
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
-        raise _refuse(f"{what} must be a number from {low:g} to {high:g}, not {value!r}.") from None
-    if not (math.isfinite(number) and low <= number <= high):
-        raise _refuse(f"{what} must be from {low:g} to {high:g}; {number:g} is out of range.")
-    return number
+        raise _refuse(f"{what} must be a number, not {value!r}.") from None
 
 
-def _as_text(value: Any, what: str) -> str:
+def _as_text(value: Any, what: str) -> str | None:
     if value is None:
-        return ""
+        return None
     if not isinstance(value, str):
         raise _refuse(f"{what} must be text.")
-    if len(value) > MAX_PROMPT_CHARS:
-        raise _refuse(f"{what} is too long ({len(value)} characters; at most {MAX_PROMPT_CHARS}).")
     return value.strip()
 
 
@@ -151,6 +108,17 @@ def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("true", "1", "yes", "on")
     return bool(value)
+
+
+def _as_size(pipe: Any, value: Any) -> tuple[int, int]:
+    text = str(value).strip().lower().replace("×", "x").split(" ")[0]
+    width, _, height = text.partition("x")
+    offered = size_choices(pipe)
+    try:
+        return int(width), int(height)
+    except ValueError:
+        choices = f"; choose one of {', '.join(offered)}" if offered else ""
+        raise _refuse(f"Size must be written WIDTHxHEIGHT, like 512x512, not {value!r}{choices}.") from None
 
 
 def parse_request(
@@ -162,78 +130,51 @@ def parse_request(
     steps: Any,
     guidance_scale: Any,
     scheduler: Any,
-    width: Any,
-    height: Any,
+    size: Any,
     images_per_device: Any,
-) -> dict[str, Any]:
-    """Checks the page's (or an API client's) values; returns keyword arguments for `generate`."""
+) -> engine.GenerationRequest:
+    """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges."""
     prompt = _as_text(prompt, "Prompt")
     if not prompt:
         raise _refuse("Type a prompt first.")
     if _as_bool(random_seed) or (isinstance(seed, str) and seed.strip().lower() in ("", "random")):
-        seed = secrets.randbelow(MAX_SEED + 1)
+        seed = secrets.randbelow(engine.request.SEED_LIMIT)
     else:
-        seed = _as_int(seed, "Seed", 0, MAX_SEED)
-    low, high = size_range(pipe)
-    size = {}
-    for name, value in (("Width", width), ("Height", height)):
-        size[name] = _as_int(value, name, low, high)
-        if size[name] % 8:
-            raise _refuse(f"{name} must be a multiple of 8 pixels; {size[name]} is not.")
-    if scheduler not in pipe.schedulers:
-        raise _refuse(f"Unknown scheduler {scheduler!r}; choose one of {', '.join(pipe.schedulers)}.")
-    per_device = _as_int(images_per_device, "Images per device", 1, MAX_IMAGES_PER_DEVICE)
-    return {
-        "prompt": prompt,
-        "negative_prompt": _as_text(negative_prompt, "Negative prompt"),
-        "seed": seed,
-        "num_inference_steps": _as_int(steps, "Steps", 1, pipe.max_steps),
-        "guidance_scale": _as_float(guidance_scale, "Guidance scale", *GUIDANCE_RANGE),
-        "scheduler": scheduler,
-        "width": size["Width"],
-        "height": size["Height"],
-        "num_images": per_device * len(pipe.devices),
-    }
+        seed = _as_int(seed, "Seed")
+    per_device = _as_int(images_per_device, "Images per device")
+    top = pipe.limits.max_images_per_device
+    if not 1 <= per_device <= top:
+        raise _refuse(f"Images per device must be from 1 to {top}; {per_device} is out of range.")
+    width, height = _as_size(pipe, size)
+    return engine.GenerationRequest(
+        prompt=prompt,
+        negative_prompt=_as_text(negative_prompt, "Negative prompt") or None,  # an empty box: no negative prompt
+        seed=seed,
+        num_inference_steps=_as_int(steps, "Steps"),
+        guidance_scale=_as_float(guidance_scale, "Guidance scale"),
+        scheduler=scheduler,
+        width=width,
+        height=height,
+        num_images=per_device * len(pipe.devices),
+    )
 
 
-# ---- one generation ----------------------------------------------------------------------
+# ---- one generation, streamed ----------------------------------------------------------------
 
 
-def _call_with_progress(run: Callable[[Callable[[int, int], None]], Any], progress: Any) -> Any:
-    """Runs `run(callback)` in a worker thread and forwards its step reports to Gradio.
-
-    The engine may report steps from a thread of its own; Gradio's progress tracker only works
-    in the request's thread, so the reports travel through a queue.
-    """
-    updates: queue.Queue = queue.Queue()
-    outcome: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            outcome["result"] = run(lambda step, total: updates.put((int(step), int(total))))
-        except BaseException as e:  # re-raised in the request's thread below
-            outcome["error"] = e
-        finally:
-            updates.put(None)
-
-    threading.Thread(target=work, name="jax-sd-generate", daemon=True).start()
-    while (update := updates.get()) is not None:
-        progress(update, desc="Denoising", unit="steps")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def describe(result: Any, request: dict[str, Any], random_seed: bool) -> str:
+def describe(result: Any, random_seed: bool) -> str:
+    r = result.request
     n = len(result.images)
     parts = [
         f"**{n} image{'s' if n != 1 else ''}** in {result.timings['total_s']:.1f} s",
-        f"{request['width']}×{request['height']}",
-        f"{request['num_inference_steps']} steps",
-        f"{request['scheduler']}",
-        f"seed {request['seed']}" + (" (random)" if random_seed else ""),
+        f"{r.width}×{r.height}",
+        f"{r.num_inference_steps} steps",
+        f"{r.scheduler}",
+        f"seed {r.seed}" + (" (random)" if random_seed else ""),
     ]
     text = " · ".join(parts)
+    if result.timings.get("queue_s", 0) >= 0.5:
+        text += f"  \nWaited {result.timings['queue_s']:.1f} s for a free slot."
     if result.compiled:
         text += f"  \nIncludes compiling for this size ({result.timings['compile_s']:.1f} s), which happens once."
     for warning in result.warnings:
@@ -241,45 +182,72 @@ def describe(result: Any, request: dict[str, Any], random_seed: bool) -> str:
     return text
 
 
-def run_generation(pipe: Any, warmup: Warmup | None, raw: dict[str, Any], progress: Any) -> tuple[list, int, str]:
-    request = parse_request(pipe, **raw)
-    if warmup is not None and not warmup.ready:
-        progress(0.0, desc="Waiting for the model to finish warming up")
-        warmup.wait()
-    try:
-        result = _call_with_progress(lambda report: pipe.generate(**request, progress=report), progress)
-    except engine.InvalidRequest as e:  # the engine's own verdict on values the page let through
-        raise _refuse(str(e)) from None
-    except Exception as e:  # one failed request must not take the server down
-        log.exception("generation failed")
-        raise _refuse(f"Generation failed: {type(e).__name__}: {e}") from None
-    gallery = [
-        (image, f"{device} · seed {seed}")
-        for image, device, seed in zip(result.images, result.devices, result.seeds, strict=True)
+def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, step: str) -> list:
+    # Latent-resolution previews, scaled up so that they fill the picture's place in the gallery.
+    return [
+        (Image.fromarray(img).resize((request.width, request.height), Image.Resampling.BILINEAR), f"preview · {step}")
+        for img in event.images
     ]
-    return gallery, request["seed"], describe(result, request, _as_bool(raw["random_seed"]))
+
+
+async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> AsyncIterator[tuple]:
+    """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures."""
+    request = parse_request(pipe, **raw)
+    try:
+        ticket = pipe.submit(request)
+    except engine.InvalidRequest as e:  # the engine's verdict on the values
+        raise _refuse(str(e)) from None
+    except engine.Busy as e:
+        raise _refuse(f"{e}.") from None
+    step = "starting"
+    async for event in ticket.aevents():
+        if isinstance(event, engine.Queued):
+            yield gr.skip(), request.seed, f"Waiting for a free slot: number {event.position} in line."
+        elif isinstance(event, engine.Progress):
+            step = f"step {event.step}/{event.total}"
+            if progress is not None:
+                progress((event.step, event.total), desc="Denoising", unit="steps")
+        elif isinstance(event, engine.Preview):
+            yield _preview_gallery(event, ticket.request, step), request.seed, f"Drawing: {step}"
+        elif isinstance(event, engine.Failed):
+            error = event.error
+            if isinstance(error, engine.Cancelled):
+                raise _refuse("Stopped.")
+            log.error("generation failed: %s", error)
+            raise _refuse(f"Generation failed: {error}")
+        elif isinstance(event, engine.Finished):
+            result = event.result
+            gallery = [
+                (image, f"{device} · seed {seed}")
+                for image, device, seed in zip(result.images, result.devices, result.seeds, strict=True)
+            ]
+            yield gallery, request.seed, describe(result, _as_bool(raw["random_seed"]))
 
 
 # ---- the page ----------------------------------------------------------------------------
 
 
-def _status(pipe: Any, warmup: Warmup | None) -> str:
-    where = f"`{pipe.model_name}` on {len(pipe.devices)} device{'s' if len(pipe.devices) != 1 else ''} ({', '.join(pipe.devices)})"
-    if warmup is None:
-        return f"Ready: {where}."
-    if not warmup.ready:
+def _status(pipe: Any) -> str:
+    n = len(pipe.devices)
+    where = f"`{pipe.model_name}` on {n} device{'s' if n != 1 else ''} ({', '.join(pipe.devices)})"
+    slots = f"{pipe.batch_size} pictures drawn at once"
+    state = pipe.warmup_state
+    if not pipe.ready:
         return f"**Warming up**: compiling {where} for the default size. Requests wait until it is done."
-    if warmup.error:
-        return f"Ready: {where}. Warm-up failed ({warmup.error}); the first request compiles instead."
-    return f"Ready: {where}. Warm-up compiled in {warmup.seconds:.1f} s."
+    if state.error:
+        return f"Ready: {where}, {slots}. Warm-up failed ({state.error}); the first request compiles instead."
+    if state.seconds is None:
+        return f"Ready: {where}, {slots}."
+    return f"Ready: {where}, {slots}. Warm-up compiled in {state.seconds:.1f} s."
 
 
-def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int = 1) -> gr.Blocks:
-    """The page. `warmup`, when given, is the background compilation the page reports on."""
-    defaults = pipe.defaults
-    low, high = size_range(pipe)
+def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None = None) -> gr.Blocks:
+    """The page. `concurrency`: requests handed to the engine at once (default: twice its slots)."""
+    defaults, limits = pipe.defaults, pipe.limits
+    sizes = size_choices(pipe)
+    default_size = f"{defaults['width']}x{defaults['height']}"
 
-    def generate(
+    async def generate(
         prompt,
         negative_prompt,
         seed,
@@ -287,8 +255,7 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
         steps,
         guidance_scale,
         scheduler,
-        width,
-        height,
+        size,
         images_per_device,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
@@ -300,19 +267,19 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
             "steps": steps,
             "guidance_scale": guidance_scale,
             "scheduler": scheduler,
-            "width": width,
-            "height": height,
+            "size": size,
             "images_per_device": images_per_device,
         }
-        return run_generation(pipe, warmup, raw, progress)
+        async for update in run_generation(pipe, raw, progress):
+            yield update
 
     def refresh_status():
-        return _status(pipe, warmup), gr.Timer(active=warmup is not None and not warmup.ready)
+        return _status(pipe), gr.Timer(active=not pipe.ready)
 
     with gr.Blocks(title="jax-sd", analytics_enabled=False) as demo:
         gr.Markdown("# jax-sd\nStable Diffusion text-to-image in JAX.")
         gr.Markdown(model_summary(pipe), elem_id="model")
-        status = gr.Markdown(_status(pipe, warmup), elem_id="status")
+        status = gr.Markdown(_status(pipe), elem_id="status")
         with gr.Row():
             with gr.Column(scale=2):
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="What should the picture show?")
@@ -320,23 +287,29 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, scale=3)
                     random_seed = gr.Checkbox(label="Random seed", value=True, scale=1)
-                steps = gr.Slider(1, pipe.max_steps, value=defaults["num_inference_steps"], step=1, label="Steps")
+                steps = gr.Slider(1, limits.max_steps, value=defaults["num_inference_steps"], step=1, label="Steps")
                 guidance_scale = gr.Slider(
-                    *GUIDANCE_RANGE, value=defaults["guidance_scale"], step=0.5, label="Guidance scale"
+                    *limits.guidance_range, value=defaults["guidance_scale"], step=0.5, label="Guidance scale"
                 )
                 with gr.Accordion("Advanced", open=False):
-                    scheduler = gr.Dropdown(list(pipe.schedulers), value=defaults["scheduler"], label="Scheduler")
-                    with gr.Row():
-                        width = gr.Slider(low, high, value=defaults["width"], step=8, label="Width")
-                        height = gr.Slider(low, high, value=defaults["height"], step=8, label="Height")
+                    scheduler = gr.Dropdown(list(limits.schedulers), value=defaults["scheduler"], label="Scheduler")
+                    if sizes is None:  # any size in range: typed as WIDTHxHEIGHT
+                        size = gr.Textbox(
+                            value=default_size, label=f"Size (WIDTHxHEIGHT, multiples of {limits.side_multiple})"
+                        )
+                    else:
+                        size = gr.Dropdown(sizes, value=default_size, label="Size (width x height)")
+                    n = len(pipe.devices)
                     per_device = gr.Slider(
                         1,
-                        MAX_IMAGES_PER_DEVICE,
+                        limits.max_images_per_device,
                         value=images_per_device,
                         step=1,
-                        label=f"Images per device ({len(pipe.devices)} device{'s' if len(pipe.devices) != 1 else ''})",
+                        label=f"Images per device ({n} device{'s' if n != 1 else ''})",
                     )
-                button = gr.Button("Generate", variant="primary", elem_id="generate")
+                with gr.Row():
+                    button = gr.Button("Generate", variant="primary", elem_id="generate", scale=3)
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
             with gr.Column(scale=3):
                 # Two fixed columns: one picture stays small enough for its caption to show.
                 gallery = gr.Gallery(
@@ -351,34 +324,25 @@ def create_demo(pipe: Any, warmup: Warmup | None = None, images_per_device: int 
             cache_examples=False,
         )
 
-        inputs = [
-            prompt,
-            negative_prompt,
-            seed,
-            random_seed,
-            steps,
-            guidance_scale,
-            scheduler,
-            width,
-            height,
-            per_device,
-        ]
-        # preprocess=False: the handler receives the raw JSON values and checks them itself, so
-        # an API caller sending a bad value gets the same readable message as the page.
-        # concurrency_limit=1: one generation at a time uses every device; the rest queue.
+        inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
+        # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
+        # caller sending a bad value gets the same readable message as the page. Many requests run at
+        # once: the engine batches them on the devices; Gradio's queue holds the rest.
         event = dict(
             fn=generate,
             inputs=inputs,
             outputs=[gallery, seed, info],
             api_name=API_NAME,
             preprocess=False,
-            concurrency_limit=1,
+            concurrency_limit=concurrency or 2 * pipe.batch_size,
             show_progress_on=[gallery],
         )
-        button.click(**event)
-        prompt.submit(**event, api_visibility="private")
+        clicked = button.click(**event)
+        submitted = prompt.submit(**event, api_visibility="private")
+        # Stop cancels the page's running request; the engine frees its slots at the next chunk.
+        stop.click(None, cancels=[clicked, submitted], api_visibility="private")
 
-        timer = gr.Timer(1.0, active=warmup is not None and not warmup.ready)
+        timer = gr.Timer(1.0, active=not pipe.ready)
         timer.tick(refresh_status, outputs=[status, timer], queue=False, api_visibility="private")
         demo.load(refresh_status, outputs=[status, timer], queue=False, api_visibility="private")
     return demo
@@ -398,7 +362,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--share", action="store_true", help="also open a public Gradio share link")
-    parser.add_argument("--queue-size", type=int, default=16, help="requests waiting at most; more are refused")
+    parser.add_argument("--queue-size", type=int, default=48, help="requests waiting at most; more are refused")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=engine.serving.DEFAULT_MAX_BATCH_SIZE,
+        help="pictures drawn at once over all devices (rounded up to a multiple of the device count)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="common",
+        help='sizes offered, "512x512,768x512,...", or "common" (the model\'s own and common aspect ratios)',
+    )
     parser.add_argument(
         "--images-per-device", type=int, default=1, help="default images per device (the page can change it)"
     )
@@ -407,14 +382,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--images-per-device must be from 1 to {MAX_IMAGES_PER_DEVICE}")
     if args.queue_size < 1:
         parser.error("--queue-size must be at least 1")
+    if args.max_batch_size < 1:
+        parser.error("--max-batch-size must be at least 1")
+    sizes = args.sizes
+    if sizes != "common":
+        try:
+            sizes = [tuple(int(v) for v in item.strip().lower().split("x")) for item in sizes.split(",")]
+            assert all(len(pair) == 2 for pair in sizes)
+        except (ValueError, AssertionError):
+            parser.error('--sizes must be "common" or a list like "512x512,768x512"')
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     engine.enable_compile_cache()
     started = time.perf_counter()
-    pipe = engine.load_pipeline(args.model)
+    pipe = engine.load_pipeline(args.model, max_batch_size=args.max_batch_size, sizes=sizes)
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
-    warmup = Warmup(pipe, num_images=args.images_per_device * len(pipe.devices)).start()
-    demo = create_demo(pipe, warmup, images_per_device=args.images_per_device)
+    pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))
+    demo = create_demo(pipe, images_per_device=args.images_per_device)
     demo.queue(max_size=args.queue_size)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, theme=THEME)
 

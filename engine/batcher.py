@@ -229,38 +229,62 @@ class Batcher:
                     job.position = position
                     job.ticket.emit(Queued(position))
 
+    def _ideal(self, plan: Plan, needed: int) -> int:
+        return min(w for w in lane_widths(plan.slots_per_device) if w >= needed)
+
     def _compile_for(self, job: Job) -> None:
-        """Asks for the plan's programs in the background; the job waits, everyone else goes on."""
-        if job.compile_asked:  # asked already: ask again only in case the cache evicted it since
-            self.programs.request(job.plan)
-            return
-        job.compile_asked = True
+        """Asks for the plan's programs, as wide as the job needs, in the background; everyone else goes on."""
+        width = self._ideal(job.plan, min(-(-len(job.seeds) // job.plan.devices), job.plan.slots_per_device))
+        self._ask(job.plan, width, [job])
+
+    def _ask(self, plan: Plan, width: int, jobs: list[Job]) -> None:
+        """Requests `plan` at `width`; the jobs that wait for it learn how long it took and whether it compiled."""
+        if self.programs.pending(plan):
+            jobs = []  # someone else's compile (the warm-up's, say): not these jobs' doing
+        jobs = [j for j in jobs if not j.compile_asked]
+        for job in jobs:
+            job.compile_asked = True
         started = time.perf_counter()
 
         def done(future) -> None:
             error = future.exception()
-            if error is None:
-                job.compile_s = time.perf_counter() - started
-                job.compiled = future.result().fresh
-            else:
-                log.error("compiling %s failed: %s", job.plan, error)
-                job.ticket.emit(
-                    Failed(GenerationFailed(f"compiling for this size failed: {type(error).__name__}: {error}"))
-                )
+            for job in jobs:
+                if error is None:
+                    job.compile_s += time.perf_counter() - started
+                    job.compiled = job.compiled or future.result().lanes[width].fresh
+                else:
+                    message = f"compiling for this size failed: {type(error).__name__}: {error}"
+                    job.ticket.emit(Failed(GenerationFailed(message)))
+            if error is not None:
+                log.error("compiling %s at width %d failed: %s", plan, width, error)
             self._wake.set()
 
-        self.programs.request(job.plan, on_done=done)
+        self.programs.request(plan, width, on_done=done)
+
+    def _needed(self, batch: Batch) -> int:
+        """Lanes per device that the batch's next chunk touches (new and occupied slots)."""
+        slots = [k for k, o in enumerate(batch.occupant) if o is not None] + list(batch.changes)
+        return max(k % batch.programs.plan.slots_per_device for k in slots) + 1
 
     def _next_batch(self) -> Batch | None:
-        """Round robin over the batches with work: each plan gets a chunk in turn."""
+        """Round robin over the batches with work whose programs are compiled: each plan gets a chunk in turn."""
         for plan in [p for p, b in self._batches.items() if not b.busy()]:
-            if not any(j.plan == plan for j in self._waiting):
-                del self._batches[plan]  # drained: free its device memory
-        plans = [p for p, b in self._batches.items() if b.busy()]
-        if not plans:
+            del self._batches[plan]  # drained: free its device memory and its place among the live plans
+        runnable = []
+        for plan, batch in self._batches.items():
+            if not batch.busy():
+                continue
+            needed = self._needed(batch)
+            ideal = self._ideal(plan, needed)
+            if ideal not in batch.programs.lanes:  # wider programs serve meanwhile, if there are any
+                new = [change[0] for change in batch.changes.values() if change is not None]
+                self._ask(plan, ideal, new)
+            if batch.programs.fit(needed) is not None:
+                runnable.append(plan)
+        if not runnable:
             return None
-        self._turn = (self._turn + 1) % len(plans)
-        return self._batches[plans[self._turn]]
+        self._turn = (self._turn + 1) % len(runnable)
+        return self._batches[runnable[self._turn]]
 
     def _admission(self, batch: Batch) -> Admission:
         rows = []
@@ -286,14 +310,10 @@ class Batcher:
             tables=job.tables,
         )
 
-    def _width(self, batch: Batch, slots: list[int]) -> int:
-        """The width to run `slots` at; asks for the ideal one in the background when it is not compiled."""
-        per = batch.programs.plan.slots_per_device
-        needed = max(k % per for k in slots) + 1
-        ideal = min(w for w in lane_widths(per) if w >= needed)
-        if ideal not in batch.programs.lanes:
-            self.programs.request_width(batch.programs, ideal, self._wake.set)
-        return batch.programs.fit(needed)
+    @staticmethod
+    def _width(batch: Batch, slots: list[int]) -> int:
+        """The narrowest compiled width that covers `slots` (`_next_batch` made sure there is one)."""
+        return batch.programs.fit(max(k % batch.programs.plan.slots_per_device for k in slots) + 1)
 
     def _run_chunk(self, batch: Batch) -> None:
         plan = batch.programs.plan

@@ -63,15 +63,15 @@ class Lanes:
 
 @dataclass
 class CompiledPlan:
-    """One plan's programs by width. The narrowest and the widest come first; the others when a batch asks."""
+    """One plan's programs by width, each compiled when a batch first needs it."""
 
     plan: Plan
     empty: Callable[[], Slots]  # a batch of empty slots, laid out for these programs
     lanes: dict[int, Lanes]
 
-    def fit(self, needed: int) -> int:
-        """The narrowest compiled width that holds `needed` lanes."""
-        return min(w for w in self.lanes if w >= needed)
+    def fit(self, needed: int) -> int | None:
+        """The narrowest compiled width that holds `needed` lanes; None if none does yet."""
+        return min((w for w in self.lanes if w >= needed), default=None)
 
     @property
     def seconds(self) -> float:
@@ -93,7 +93,7 @@ class Programs:
         self.max_plans = max_plans
         self.compile_count = 0  # plans compiled (or loaded from disk) so far, evictions included
         self._ready: OrderedDict[Plan, CompiledPlan] = OrderedDict()
-        self._pending: dict[Plan, Future] = {}
+        self._pending: dict[tuple[Plan, int], Future] = {}
         self._pinned: set[Plan] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jax-sd-compile")
@@ -101,46 +101,44 @@ class Programs:
 
     # -- the cache ------------------------------------------------------------------------
     def get(self, plan: Plan) -> CompiledPlan | None:
-        """The plan's programs if compiled, marking them recently used; None otherwise."""
+        """The plan's programs if any width is compiled, marking them recently used; None otherwise."""
         with self._lock:
             compiled = self._ready.get(plan)
             if compiled is not None:
                 self._ready.move_to_end(plan)
             return compiled
 
-    def request(self, plan: Plan, on_done: Callable[[Future], None] | None = None, pin: bool = False) -> Future:
-        """Starts compiling `plan` (its narrowest and widest programs) in the background unless done or under way."""
+    def request(
+        self, plan: Plan, width: int, on_done: Callable[[Future], None] | None = None, pin: bool = False
+    ) -> Future:
+        """Starts compiling `plan` at `width` in the background unless done or under way; its future gives
+        the CompiledPlan."""
+        key = (plan, width)
         with self._lock:
             if pin:
                 self._pinned.add(plan)
-            if plan in self._ready:
+            compiled = self._ready.get(plan)
+            if compiled is not None and width in compiled.lanes:
                 future: Future = Future()
-                future.set_result(self._ready[plan])
-            elif plan in self._pending:
-                future = self._pending[plan]
+                future.set_result(compiled)
+            elif key in self._pending:
+                future = self._pending[key]
             else:
-                future = self._pool.submit(self._compile, plan)
-                self._pending[plan] = future
+                future = self._pool.submit(self._add, plan, width)
+                self._pending[key] = future
         if on_done is not None:
             future.add_done_callback(on_done)
         return future
 
-    def request_width(self, compiled: CompiledPlan, width: int, on_done: Callable[[], None]) -> None:
-        """Adds one more width to a compiled plan, in the background; a batch uses a wider one meanwhile."""
-        key = (compiled.plan, width)
-        with self._lock:
-            if width in compiled.lanes or key in self._pending:
-                return
-            self._pending[key] = self._pool.submit(self._add_width, compiled, width, on_done)
+    def compile(self, plan: Plan, widths: list[int], pin: bool = False) -> CompiledPlan:
+        """Blocks until `plan` is compiled at every one of `widths`; raises what compiling raised."""
+        futures = [self.request(plan, width, pin=pin) for width in widths]
+        return [future.result() for future in futures][-1]
 
-    def compile(self, plan: Plan, pin: bool = False, every_width: bool = False) -> CompiledPlan:
-        """Blocks until `plan` is compiled (with `every_width`, at every width); raises what compiling raised."""
-        compiled = self.request(plan, pin=pin).result()
-        if every_width:
-            for width in lane_widths(plan.slots_per_device):
-                if width not in compiled.lanes:
-                    self._add_width(compiled, width, lambda: None)
-        return compiled
+    def pending(self, plan: Plan) -> bool:
+        """The plan is being compiled now (for someone else, or by the warm-up)."""
+        with self._lock:
+            return any(key[0] == plan for key in self._pending)
 
     @property
     def plans(self) -> list[Plan]:
@@ -148,29 +146,20 @@ class Programs:
         with self._lock:
             return list(self._ready)
 
-    def _compile(self, plan: Plan) -> CompiledPlan:
+    def _add(self, plan: Plan, width: int) -> CompiledPlan:
         try:
-            widths = lane_widths(plan.slots_per_device)
-            compiled = self._build(plan, sorted({widths[0], widths[-1]}))
+            lanes, slots = self._build(plan, width)
         finally:
             with self._lock:
-                self._pending.pop(plan, None)
+                self._pending.pop((plan, width), None)
         with self._lock:
-            self._ready[plan] = compiled
-            self.compile_count += 1
-            self._evict()
-        return compiled
-
-    def _add_width(self, compiled: CompiledPlan, width: int, on_done: Callable[[], None]) -> None:
-        try:
-            lanes = self._build(compiled.plan, [width]).lanes[width]
+            compiled = self._ready.get(plan)
+            if compiled is None:
+                compiled = self._ready[plan] = CompiledPlan(plan, slots, {})
+                self.compile_count += 1
+                self._evict()
             compiled.lanes = {**compiled.lanes, width: lanes}  # a new dict: readers never see it half-built
-        except Exception:
-            log.exception("compiling %s at width %d failed; the wider programs serve it", compiled.plan, width)
-        finally:
-            with self._lock:
-                self._pending.pop((compiled.plan, width), None)
-            on_done()
+            return compiled
 
     def _evict(self) -> None:
         unpinned = [p for p in self._ready if p not in self._pinned]
@@ -180,7 +169,7 @@ class Programs:
             jax.clear_caches()
 
     # -- building the programs -------------------------------------------------------------
-    def _build(self, plan: Plan, widths: list[int]) -> CompiledPlan:
+    def _build(self, plan: Plan, width: int) -> tuple[Lanes, Callable[[], Slots]]:
         put = lambda tree, sharding: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
         )
@@ -192,25 +181,23 @@ class Programs:
         # Donating the slots lets each chunk update the batch in place: one copy of it, not two.
         donate = () if jax.default_backend() == "cpu" else (4,)
 
-        def lower(fn, width, *args, out_shardings, donate=()):
+        def lower(fn, *args, out_shardings, donate=()):
             jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=out_shardings, donate_argnums=donate)
             return jitted.lower(plan, width, self.graphdef, self.params, *args).compile()
 
-        lanes = {}
-        for width in widths:
-            start, hits = time.perf_counter(), self._hits[0]
-            lanes[width] = Lanes(
-                admit=lower(pipeline.admit, width, slots, admission, out_shardings=every, donate=donate),
-                advance=lower(pipeline.advance, width, slots, steps, out_shardings=(every, every), donate=donate),
-                decode=lower(pipeline.decode_lanes, width, slots.x, out_shardings=every),
-                seconds=time.perf_counter() - start,
-                fresh=self._hits[0] - hits < 3,  # three programs; each one loaded from disk counts a hit
-            )
+        start, hits = time.perf_counter(), self._hits[0]
+        lanes = Lanes(
+            admit=lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
+            advance=lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
+            decode=lower(pipeline.decode_lanes, slots.x, out_shardings=every),
+            seconds=time.perf_counter() - start,
+            fresh=self._hits[0] - hits < 3,  # three programs; each one loaded from disk counts a hit
+        )
 
         def empty() -> Slots:
             return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), slots)
 
-        return CompiledPlan(plan, empty, lanes)
+        return lanes, empty
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

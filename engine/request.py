@@ -67,16 +67,17 @@ def size_label(width: int, height: int) -> str:
     return f"{width}x{height}"
 
 
-def common_sizes(side: int, multiple: int) -> tuple[tuple[int, int], ...]:
+def common_sizes(side: int, multiple: int, min_side: int) -> tuple[tuple[int, int], ...]:
     """The model's own square and the usual aspect ratios at about the same pixel count, (width, height).
 
-    Like SDXL's training buckets: 4:3, 3:2 and 16:9, each both ways, sides rounded to `multiple`.
+    Like SDXL's training buckets: 4:3, 3:2 and 16:9, each both ways, sides in 64-pixel steps; a
+    small model's short side stays at least `min_side`.
     """
     sizes = [(side, side)]
     for long, short in ((4, 3), (3, 2), (16, 9)):
-        scale = side / math.sqrt(long * short)
-        w = max(multiple, round(long * scale / multiple) * multiple)
-        h = max(multiple, round(short * scale / multiple) * multiple)
+        scale = max(side / math.sqrt(long * short), min_side / short)
+        step = max(multiple, min(64, side // 8))  # SD's usual 64-pixel steps; a tiny model's own factor
+        w, h = (round(n * scale / step) * step for n in (long, short))
         sizes += [(w, h), (h, w)]
     return tuple(dict.fromkeys(sizes))
 

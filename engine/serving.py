@@ -26,6 +26,7 @@ from .batcher import Batcher, Job
 from .loading import FAMILY_MAX_SIDE, LoadedModel, load_model_folder
 from .pipeline import Admission, Plan
 from .preview import PreviewMap, fit_preview
+from .programs import Programs, lane_widths
 from .request import GenerationRequest, GenerationResult, InvalidRequest, Limits, common_sizes
 from .ticket import Progress, Ticket
 
@@ -74,6 +75,7 @@ class Engine:
         chunk_steps: int = 1,
         max_waiting: int = 256,
         max_plans: int = 8,
+        max_live_plans: int = 2,
         previews: bool = True,
     ):
         """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
@@ -94,22 +96,34 @@ class Engine:
         self.params = jax.device_put(model.params, replicated)
         self.defaults = dict(model.defaults)
         factor = model.vae_scale_factor
-        if sizes == "common":
-            sizes = common_sizes(self.defaults["width"], factor)
         self.limits = Limits(
             schedulers=schedulers.SCHEDULERS,
             side_multiple=factor,
             max_side=FAMILY_MAX_SIDE[model.family],
             max_clip_skip=model.max_clip_skip,
             devices=n,
-            sizes=None if sizes is None else tuple((int(w), int(h)) for w, h in sizes),
         )
-        from .programs import Programs
-
+        if sizes == "common":
+            sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
+        if sizes is not None:
+            self.limits = dataclasses.replace(self.limits, sizes=tuple((int(w), int(h)) for w, h in sizes))
+            for w, h in self.limits.sizes:  # the server's own configuration: refused at start, not per request
+                self.limits.check(
+                    GenerationRequest(
+                        "",
+                        num_inference_steps=1,
+                        guidance_scale=0.0,
+                        height=h,
+                        width=w,
+                        num_images=1,
+                        scheduler=self.defaults["scheduler"],
+                    )
+                )
         self.programs = Programs(model.graphdef, self.params, self._lanes, replicated, self._example, max_plans)
         self._blanks: dict[Plan, Job] = {}
         self.preview: PreviewMap | None = None
-        self._want_previews = previews
+        if previews:  # fitted once, at load: one small VAE decode
+            self.preview = fit_preview(model.graphdef, self.params, model.latent_channels, model.family)
         self.warmup_state = Warmup()
         self._batcher = Batcher(
             self.programs,
@@ -119,6 +133,8 @@ class Engine:
             self._lanes,
             chunk_steps=chunk_steps,
             max_waiting=max_waiting,
+            max_live_plans=max_live_plans,
+            preview=self.preview,
         )
 
     # -- what the page reads ---------------------------------------------------------------
@@ -292,13 +308,15 @@ class Engine:
         return plans
 
     def warmup(self, num_images: int | None = None) -> float:
-        """Compiles the default shapes (kept in the cache for good) and fits the previews; returns seconds."""
+        """Compiles the default shapes (kept in the cache for good); returns seconds."""
         start = time.perf_counter()
         for plan in self.warmup_plans(num_images):
-            self.programs.compile(plan, pin=True)
-        if self._want_previews and self.preview is None:
-            self.preview = fit_preview(self.model.graphdef, self.params, self.model.latent_channels, self.family)
-            self._batcher.preview = self.preview
+            # The default request's own width first: the first user never waits for a compiler.
+            n = self.images_per_device if num_images is None else -(-num_images // plan.devices)
+            widths = lane_widths(plan.slots_per_device)
+            own = min(w for w in widths if w >= min(n, plan.slots_per_device))
+            self.programs.compile(plan, [own], pin=True)
+            self.programs.request(plan, widths[-1])  # the crowd's width: in the background, after Ready
         return time.perf_counter() - start
 
     def start_warmup(self, num_images: int | None = None) -> Engine:

@@ -21,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300  # import JAX, load the embedded model; warm-up goes on in the background
 QUEUE_SIZE = 2  # small, so that a test can fill the queue with a handful of requests
+MAX_BATCH_SIZE = 2  # two pictures drawn at once; the page hands the engine twice that many requests
+CONCURRENCY = 2 * MAX_BATCH_SIZE
 
 
 def free_port() -> int:
@@ -84,7 +86,9 @@ def shared_app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     config = request.config
     server = getattr(config, "_jax_sd_app", None)
     if server is None:
-        server = AppServer(tmp_path_factory.mktemp("app"), "--queue-size", str(QUEUE_SIZE)).wait_until_up()
+        server = AppServer(
+            tmp_path_factory.mktemp("app"), "--queue-size", str(QUEUE_SIZE), "--max-batch-size", str(MAX_BATCH_SIZE)
+        ).wait_until_up()
         config._jax_sd_app = server
         config.add_cleanup(server.stop)
     elif server.process.poll() is not None:

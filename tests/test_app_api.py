@@ -7,60 +7,77 @@ user's script would.
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import re
 import time
 from typing import Any
 
 import gradio as gr
+import numpy as np
 import pytest
 from PIL import Image
 
 import app
-from tests._app_server import QUEUE_SIZE, AppServer, shared_app
+import engine
+from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
 
 
-@dataclasses.dataclass
-class FakeResult:
-    images: list
-    seeds: list
-    devices: list
-    timings: dict
-    compiled: bool
-    warnings: list
-
-
 class FakeEngine:
+    """The engine's public face, answering at once: tickets with progress, a preview, then plain pictures."""
+
     defaults = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "ddim"}
-    schedulers = ("pndm", "ddim")
     family = "sd"
     model_name = "fake"
     devices = ["cpu:0", "cpu:1"]
-    max_steps = 50
+    batch_size = 4
+    ready = True
+    warmup_state = engine.serving.Warmup(seconds=1.0)
     example_prompts = ["a red circle on a blue background", "Armchair in the shape of an avocado"]
+    limits = engine.Limits(
+        schedulers=("pndm", "ddim"),
+        side_multiple=8,
+        max_side=1024,
+        max_clip_skip=0,
+        devices=2,
+        sizes=((64, 64), (88, 64)),
+        max_steps=50,
+    )
 
     def __init__(self, error: Exception | None = None):
         self.error = error
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[engine.GenerationRequest] = []
 
-    def generate(self, prompt, progress=None, **kwargs):
-        self.calls.append({"prompt": prompt, **kwargs})
-        if self.error is not None:
+    def submit(self, request):
+        request = self.limits.resolve(request, self.defaults)
+        self.calls.append(request)
+        ticket = engine.Ticket(request, ["prompt truncated to 77 tokens"])
+        if isinstance(self.error, engine.InvalidRequest | engine.Busy):
             raise self.error
-        steps = kwargs["num_inference_steps"]
+        if self.error is not None:
+            ticket.emit(engine.Failed(self.error))
+            return ticket
+        steps = request.num_inference_steps
+        ticket.emit(engine.Queued(1))
         for step in range(1, steps + 1):
-            progress(step, steps)
-        n = kwargs["num_images"]
-        return FakeResult(
-            images=[Image.new("RGB", (kwargs["width"], kwargs["height"])) for _ in range(n)],
-            seeds=[(kwargs["seed"] + k) % 2**32 for k in range(n)],
-            devices=[self.devices[k % len(self.devices)] for k in range(n)],
-            timings={"compile_s": 0.0, "run_s": 0.1, "total_s": 0.1},
-            compiled=False,
-            warnings=["prompt truncated to 77 tokens"],
+            ticket.emit(engine.Progress(step, steps))
+        ticket.emit(engine.Preview([np.zeros((8, 8, 3), np.uint8)]))
+        n = request.num_images
+        ticket.emit(
+            engine.Finished(
+                engine.GenerationResult(
+                    images=[Image.new("RGB", (request.width, request.height)) for _ in range(n)],
+                    seeds=request.image_seeds(),
+                    devices=[self.devices[k % len(self.devices)] for k in range(n)],
+                    timings={"queue_s": 0.0, "compile_s": 0.0, "run_s": 0.1, "total_s": 0.1},
+                    compiled=False,
+                    warnings=ticket.warnings,
+                    request=request,
+                )
+            )
         )
+        return ticket
 
 
 class RecordingProgress:
@@ -80,27 +97,36 @@ def page_values(**changes: Any) -> dict[str, Any]:
         "steps": 4,
         "guidance_scale": 7.5,
         "scheduler": "ddim",
-        "width": 64,
-        "height": 64,
+        "size": "64x64",
         "images_per_device": 1,
     }
     values.update(changes)
     return values
 
 
-def test_parse_request_turns_page_values_into_engine_arguments():
-    request = app.parse_request(FakeEngine(), **page_values(seed="12", steps=4.0, images_per_device=2))
-    assert request == {
-        "prompt": "a cat",
-        "negative_prompt": "",
-        "seed": 12,
-        "num_inference_steps": 4,
-        "guidance_scale": 7.5,
-        "scheduler": "ddim",
-        "width": 64,
-        "height": 64,
-        "num_images": 4,  # two devices, two each
-    }
+def run(pipe, values, progress=None) -> list[tuple]:
+    """Every update the handler streams to the page, in order."""
+
+    async def collect():
+        return [update async for update in app.run_generation(pipe, values, progress)]
+
+    return asyncio.run(collect())
+
+
+def test_parse_request_turns_page_values_into_a_request():
+    request = app.parse_request(FakeEngine(), **page_values(seed="12", steps=4.0, images_per_device=2, size="88x64"))
+    assert request == engine.GenerationRequest(
+        prompt="a cat",
+        negative_prompt=None,  # an empty box means no negative prompt at all
+        seed=12,
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        scheduler="ddim",
+        width=88,
+        height=64,
+        num_images=4,  # two devices, two each
+    )
+    assert app.parse_request(FakeEngine(), **page_values(negative_prompt=" blurry ")).negative_prompt == "blurry"
 
 
 @pytest.mark.parametrize(
@@ -110,34 +136,41 @@ def test_parse_request_turns_page_values_into_engine_arguments():
         ({"prompt": 5}, "Prompt must be text"),
         ({"seed": "abc"}, "Seed must be a whole number"),
         ({"seed": 1.5}, "Seed must be a whole number"),
-        ({"seed": 2**32}, "Seed must be from 0 to 4294967295"),
-        ({"steps": 0}, "Steps must be from 1 to 50"),
-        ({"steps": 500}, "Steps must be from 1 to 50"),
+        ({"seed": 2**32}, "seed must be a whole number from 0 to 4294967295"),
+        ({"steps": 0}, "steps must be a whole number from 1 to 50"),
+        ({"steps": 500}, "steps must be a whole number from 1 to 50"),
         ({"steps": "many"}, "Steps must be a whole number"),
-        ({"guidance_scale": float("nan")}, "Guidance scale must be from"),
-        ({"width": 100}, "Width must be a multiple of 8"),
-        ({"height": 32}, "Height must be from 64"),
-        ({"scheduler": "magic"}, "Unknown scheduler 'magic'"),
+        ({"guidance_scale": float("nan")}, "guidance scale must be a number from 0 to 30"),
+        ({"guidance_scale": 31}, "guidance scale must be a number from 0 to 30"),
+        ({"size": "100x100"}, "height must be a multiple of 8"),
+        ({"size": "72x64"}, "size 72x64 is not offered here; choose one of 64x64, 88x64"),
+        ({"size": "big"}, "Size must be written WIDTHxHEIGHT"),
+        ({"scheduler": "magic"}, "unknown scheduler 'magic'"),
         ({"images_per_device": 0}, "Images per device must be from 1"),
+        ({"prompt": "x" * 3000}, "prompt is too long"),
     ],
 )
-def test_parse_request_refuses_bad_values_with_a_clear_message(change, message):
-    with pytest.raises(gr.Error, match=message):
-        app.parse_request(FakeEngine(), **page_values(**change))
+def test_bad_values_are_refused_with_the_engines_message(change, message):
+    with pytest.raises(gr.Error, match=re.escape(message)):
+        run(FakeEngine(), page_values(**change))
 
 
 def test_random_seed_is_drawn_and_reported():
     pipe = FakeEngine()
-    gallery, seed, info = app.run_generation(pipe, None, page_values(random_seed=True), RecordingProgress())
+    gallery, seed, info = run(pipe, page_values(random_seed=True))[-1]
     assert 0 <= seed < 2**32
-    assert pipe.calls[0]["seed"] == seed
+    assert pipe.calls[0].seed == seed
     assert f"seed {seed} (random)" in info
     assert gallery[0][1] == f"cpu:0 · seed {seed}"
 
 
-def test_gallery_captions_name_device_and_seed_and_progress_moves():
+def test_the_page_streams_queue_position_previews_then_the_pictures():
     progress = RecordingProgress()
-    gallery, seed, info = app.run_generation(FakeEngine(), None, page_values(images_per_device=2), progress)
+    updates = run(FakeEngine(), page_values(images_per_device=2), progress)
+    assert "number 1 in line" in updates[0][2]
+    preview, _, drawing = updates[1]
+    assert preview[0][1] == "preview · step 4/4" and preview[0][0].size == (64, 64) and "Drawing" in drawing
+    gallery, seed, info = updates[-1]
     assert [caption for _, caption in gallery] == [
         "cpu:0 · seed 7",
         "cpu:1 · seed 8",
@@ -150,13 +183,13 @@ def test_gallery_captions_name_device_and_seed_and_progress_moves():
 
 
 def test_engine_refusal_and_failure_become_messages():
-    from engine import InvalidRequest
-
     with pytest.raises(gr.Error) as refused:
-        app.run_generation(FakeEngine(InvalidRequest("height 72 is not a multiple of 16")), None, page_values(), None)
+        run(FakeEngine(engine.InvalidRequest("height 72 is not a multiple of 16")), page_values())
     assert refused.value.message == "height 72 is not a multiple of 16"
-    with pytest.raises(gr.Error, match="Generation failed: RuntimeError: out of memory"):
-        app.run_generation(FakeEngine(RuntimeError("out of memory")), None, page_values(), None)
+    with pytest.raises(gr.Error, match="server is busy"):
+        run(FakeEngine(engine.Busy("the server is busy")), page_values())
+    with pytest.raises(gr.Error, match="Generation failed: out of memory"):
+        run(FakeEngine(engine.GenerationFailed("out of memory")), page_values())
 
 
 def test_a_model_with_its_own_examples_shows_only_those():
@@ -181,9 +214,15 @@ def test_demo_exposes_a_stable_api_name():
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
-        ([], {}, {"model": None, "server_name": "127.0.0.1", "server_port": 7860, "share": False, "queue": 16}),
         (
-            ["--host", "0.0.0.0", "--port", "8080", "--share", "--queue-size", "3"],
+            [],
+            {},
+            {"model": None, "server_name": "127.0.0.1", "server_port": 7860, "share": False, "queue": 48}
+            | {"max_batch_size": 8, "sizes": "common"},
+        ),
+        (
+            ["--host", "0.0.0.0", "--port", "8080", "--share", "--queue-size", "3", "--max-batch-size", "16"]
+            + ["--sizes", "512x512, 768x512"],
             {"MODEL_ID": "stable-diffusion-v1-5/stable-diffusion-v1-5"},
             {
                 "model": "stable-diffusion-v1-5/stable-diffusion-v1-5",
@@ -191,6 +230,8 @@ def test_demo_exposes_a_stable_api_name():
                 "server_port": 8080,
                 "share": True,
                 "queue": 3,
+                "max_batch_size": 16,
+                "sizes": [(512, 512), (768, 512)],
             },
         ),
         (["--model", "/models/sd15"], {"MODEL_ID": "ignored/by-the-flag"}, {"model": "/models/sd15"}),
@@ -204,12 +245,13 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
     seen = {}
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: seen.setdefault("cache", True))
 
-    def load_pipeline(source=None):
-        seen["model"] = source
-        return FakeEngine()
+    def load_pipeline(source=None, **serving):
+        seen.update(model=source, **serving)
+        fake = FakeEngine()
+        fake.start_warmup = lambda num_images: seen.setdefault("warmup", num_images)
+        return fake
 
     monkeypatch.setattr(app.engine, "load_pipeline", load_pipeline)
-    monkeypatch.setattr(app.Warmup, "start", lambda self: self)
     queue = gr.Blocks.queue
 
     def record_queue(self, *args, **kwargs):
@@ -220,7 +262,7 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
     monkeypatch.setattr(gr.Blocks, "queue", record_queue)
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs))
     app.main(argv)
-    assert seen["cache"]
+    assert seen["cache"] and seen["warmup"] == 2  # one image on each of the two devices
     assert {key: seen[key] for key in expected} == expected
 
 
@@ -251,6 +293,7 @@ def slider_maximum(client, label: str) -> int:
     return next(c["props"]["maximum"] for c in client.config["components"] if c["props"].get("label") == label)
 
 
+@pytest.mark.slow
 def test_api_returns_as_many_images_as_asked_with_their_seeds(client):
     gallery, seed, info = call(client, seed=1234, images_per_device=2)
     defaults = arguments(client)
@@ -261,11 +304,12 @@ def test_api_returns_as_many_images_as_asked_with_their_seeds(client):
     assert [item["caption"].split(" · seed ")[1] for item in gallery] == [str(s) for s in expected_seeds]
     for item in gallery:
         with Image.open(item["image"]) as image:
-            assert image.size == (defaults["width"], defaults["height"])
+            assert f"{image.size[0]}x{image.size[1]}" == defaults["size"]
             assert image.getextrema() != ((0, 0), (0, 0), (0, 0))  # not a blank picture
     assert f"{2 * devices} images" in info
 
 
+@pytest.mark.slow
 def test_random_seed_reports_the_seed_it_used(client):
     gallery, seed, info = call(client, random_seed=True)
     assert 0 <= seed < 2**32
@@ -273,6 +317,7 @@ def test_random_seed_reports_the_seed_it_used(client):
     assert f"seed {seed} (random)" in info
 
 
+@pytest.mark.slow
 def test_the_progress_bar_follows_the_denoising_steps(client):
     steps = slider_maximum(client, "Steps")  # long enough a run to watch
     job = client.submit(**arguments(client, steps=steps), api_name="/generate")
@@ -287,19 +332,22 @@ def test_the_progress_bar_follows_the_denoising_steps(client):
     assert all(length >= steps and 0 < index <= length for index, length in seen), seen
 
 
+@pytest.mark.slow
 def test_changing_steps_guidance_seed_or_prompt_does_not_recompile(client):
     call(client, seed=1)  # the default shapes: compiled by the warm-up, at worst here
     _, _, info = call(client, prompt="a green square", seed=99, steps=3, guidance_scale=2.0)
     assert "compil" not in info, info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": 100_000}, "Steps must be from 1 to"),
+        ({"steps": 100_000}, "steps must be a whole number from 1 to 150"),
         ({"seed": "not-a-number"}, "Seed must be a whole number"),
-        ({"width": 100, "height": 100}, "Width must be a multiple of 8"),
-        ({"height": 4096}, "Height must be from 64 to"),
+        ({"size": "100x100"}, "height must be a multiple of 8"),
+        ({"size": "64x4096"}, "height must be a multiple of 8 from 64 to 1024"),
+        ({"size": "72x72"}, "size 72x72 is not offered here; choose one of 64x64, 88x64"),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_next_request_works(client, change, message):
@@ -311,12 +359,13 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_works(client, change,
     assert gallery
 
 
+@pytest.mark.slow
 def test_a_full_queue_refuses_with_a_message_and_serving_goes_on(client):
     from gradio_client.utils import QueueError
 
-    # One request runs and QUEUE_SIZE wait; the longest allowed runs keep the queue full.
+    # CONCURRENCY requests run and QUEUE_SIZE wait; the longest allowed runs keep the queue full.
     slow = arguments(client, steps=slider_maximum(client, "Steps"))
-    jobs = [client.submit(**{**slow, "seed": k}, api_name="/generate") for k in range(QUEUE_SIZE + 4)]
+    jobs = [client.submit(**{**slow, "seed": k}, api_name="/generate") for k in range(CONCURRENCY + QUEUE_SIZE + 4)]
     refused, served = [], 0
     for job in jobs:
         try:
@@ -330,16 +379,18 @@ def test_a_full_queue_refuses_with_a_message_and_serving_goes_on(client):
     assert gallery
 
 
+@pytest.mark.slow
 def test_the_compiled_program_is_kept_on_disk(client, request, tmp_path_factory):
-    # A restart finds the engine's three programs (prepare, denoise, decode) in JAX's
+    # A restart finds the engine's three programs (admit, advance, decode) in JAX's
     # persistent cache instead of compiling them again.
     call(client, seed=2)
     cache = shared_app(request, tmp_path_factory).log_path.parent / "xla-cache"
     entries = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
-    for program in ("jit_prepare", "jit_denoise", "jit_decode"):
+    for program in ("jit_admit", "jit_advance", "jit_decode_lanes"):
         assert any(name.startswith(program) for name in entries), f"{program} not in the persistent cache: {entries}"
 
 
+@pytest.mark.slow
 def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
     from gradio_client import Client
 

@@ -24,6 +24,7 @@ CHROMIUM = os.environ.get("CHROMIUM_PATH") or next(
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.browser,
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="needs Chromium: apt-get install chromium, or set CHROMIUM_PATH"
@@ -98,3 +99,30 @@ def test_the_models_own_example_fills_the_prompt(page):
     expect(page.get_by_label("Prompt", exact=True)).to_have_value(own[-1])
     # The general examples are for real models; the embedded one would only draw shapes for them.
     expect(page.get_by_text("Armchair in the shape of an avocado", exact=True)).to_have_count(0)
+
+
+def _set_steps(page, steps: int) -> None:
+    box = page.get_by_label("number input for Steps")
+    box.fill(str(steps))
+    box.press("Enter")
+
+
+def test_a_preview_appears_before_the_pictures_and_stop_stops(page):
+    from playwright.sync_api import expect
+
+    expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
+    page.get_by_label("Prompt", exact=True).fill("a yellow star on a purple background")
+    _set_steps(page, 150)  # long enough to watch the previews, and to stop
+    page.locator("#generate").click()
+    preview = page.locator("#gallery").get_by_text(re.compile(r"^preview · step \d+/\d+$"))
+    expect(preview.first).to_be_visible(timeout=120_000)
+    assert page.locator("#gallery").get_by_text(re.compile(r"· seed \d+$")).count() == 0  # not the pictures yet
+    page.locator("#stop").click()
+    # Stopped: the pictures never come, and the page serves the next request.
+    page.wait_for_timeout(8_000)  # longer than the whole run would take here
+    assert page.locator("#gallery").get_by_text(re.compile(r"· seed \d+$")).count() == 0
+    _set_steps(page, 4)
+    page.locator("#generate").click()
+    expect(page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$")).first).to_be_visible(
+        timeout=120_000
+    )
