@@ -205,6 +205,16 @@ def test_a_model_without_examples_shows_the_general_ones(own):
     assert len(set(app.EXAMPLE_PROMPTS)) == 8
 
 
+def test_the_page_reads_its_ranges_and_sizes_from_the_engines_limits():
+    demo = app.create_demo(FakeEngine())
+    props = {c["props"].get("label"): c["props"] for c in demo.config["components"] if "label" in c["props"]}
+    limits = FakeEngine.limits
+    assert props["Steps"]["maximum"] == limits.max_steps
+    assert (props["Guidance scale"]["minimum"], props["Guidance scale"]["maximum"]) == limits.guidance_range
+    assert [choice[0] for choice in props["Size (width x height)"]["choices"]] == ["64x64", "88x64"]
+    assert props["Images per device (2 devices)"]["maximum"] == limits.max_images_per_device
+
+
 def test_demo_exposes_a_stable_api_name():
     demo = app.create_demo(FakeEngine())
     names = [fn.api_name for fn in demo.fns.values() if fn.api_visibility == "public"]
