@@ -6,6 +6,7 @@ All on the embedded model, on the CPU. Timing is never asserted; order is, by th
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -194,15 +195,24 @@ def test_offered_sizes_are_the_only_ones_served():
         engine.close()
 
 
-def test_compiled_programs_stay_within_the_cache_bound():
+def resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_sweep_of_sizes_keeps_programs_and_memory_bounded():
     engine = load_pipeline(max_batch_size=1, max_plans=2, previews=False)
     try:
-        sides = [64, 72, 80, 88, 96, 104]
+        sides = [64, 72, 80, 88, 96, 104, 112, 120]
+        memory = []
         for side in sides:
             assert engine.submit(request(width=side, num_inference_steps=2)).result(WAIT_S).images[0].size == (side, 64)
+            memory.append(resident_mb())
         assert engine.compile_count == len(sides)
         assert len(engine.compiled_plans) == 2
-        assert [p.latent_width for p in engine.compiled_plans] == [12, 13]  # the two most recent
+        assert [p.latent_width for p in engine.compiled_plans] == [14, 15]  # the two most recent
+        # Unbounded, each size kept about 45 MB of programs for good; evicted, they are given back.
+        assert memory[-1] - memory[2] < 100, memory
     finally:
         engine.close()
 
