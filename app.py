@@ -18,12 +18,15 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 from PIL import Image
 
-import engine
+# transformers (the tokenizers) advises installing PyTorch on import; the app does not need it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import engine  # noqa: E402
 
 log = logging.getLogger("jax-sd")
 
@@ -259,6 +262,22 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         images_per_device,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
+        """Draws pictures with Stable Diffusion from a text prompt.
+
+        Args:
+            prompt: what the picture should show, in English words.
+            negative_prompt: what to keep out of the picture; empty for none.
+            seed: the random seed of the first picture (picture k uses seed + k); ignored when random_seed is true.
+            random_seed: draw a new seed for this request; the seed used is returned.
+            steps: denoising steps; more is slower and usually finer.
+            guidance_scale: how closely to follow the prompt (classifier-free guidance); 1 or less turns it off.
+            scheduler: the sampler: pndm, ddim, euler, euler_a, dpm++2m or dpm++2m_karras.
+            size: WIDTHxHEIGHT in pixels, one of the sizes the server offers.
+            images_per_device: pictures per device; the server has one or more devices.
+
+        Returns:
+            the pictures with "device · seed" captions, the seed used, and a line of details.
+        """
         raw = {
             "prompt": prompt,
             "negative_prompt": negative_prompt,
@@ -348,6 +367,25 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
     return demo
 
 
+def read_auth(value: str | None) -> list[tuple[str, str]] | None:
+    """`--auth`: "user:password", several comma-separated, or a file with one pair per line."""
+    if not value:
+        return None
+    text = Path(value).read_text() if Path(value).is_file() else value
+    pairs = []
+    for item in text.replace(",", "\n").splitlines():
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        user, sep, password = item.partition(":")
+        if not sep or not user or not password:
+            raise ValueError(f"--auth: {item!r} is not user:password")
+        pairs.append((user, password))
+    if not pairs:
+        raise ValueError("--auth: no user:password pair given")
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="jax-sd web demo")
     parser.add_argument(
@@ -377,6 +415,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--images-per-device", type=int, default=1, help="default images per device (the page can change it)"
     )
+    parser.add_argument(
+        "--auth",
+        default=os.environ.get("JAX_SD_AUTH") or None,
+        help='log-in for the page and its API: "user:password", several comma-separated, or a file of such '
+        "lines (env JAX_SD_AUTH)",
+    )
+    parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
     args = parser.parse_args(argv)
     if not 1 <= args.images_per_device <= MAX_IMAGES_PER_DEVICE:
         parser.error(f"--images-per-device must be from 1 to {MAX_IMAGES_PER_DEVICE}")
@@ -391,7 +436,13 @@ def main(argv: list[str] | None = None) -> None:
             assert all(len(pair) == 2 for pair in sizes)
         except (ValueError, AssertionError):
             parser.error('--sizes must be "common" or a list like "512x512,768x512"')
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        auth = read_auth(args.auth)
+    except ValueError as e:
+        parser.error(str(e))
+    # Our own progress lines; other libraries only when something is wrong (no backend-probing chatter).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    log.setLevel(logging.INFO)
 
     engine.enable_compile_cache()
     started = time.perf_counter()
@@ -400,7 +451,16 @@ def main(argv: list[str] | None = None) -> None:
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))
     demo = create_demo(pipe, images_per_device=args.images_per_device)
     demo.queue(max_size=args.queue_size)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, theme=THEME)
+    demo.launch(
+        server_name=args.host,
+        server_port=args.port,
+        share=args.share,
+        show_error=True,
+        theme=THEME,
+        auth=auth,
+        auth_message="This jax-sd page is for invited users: log in with the name and password you were given.",
+        mcp_server=args.mcp,
+    )
 
 
 if __name__ == "__main__":
