@@ -336,22 +336,34 @@ class _FlaxPipeline:
         return _generate(self._graphdef, spec, weights, prompt_ids, neg, prng_seed, guidance_scale, latents, tables)
 
     def _run(
-        self, prompt_ids, params, prng_seed, num_inference_steps, height, width, guidance_scale, latents, neg, jit, raw
+        self,
+        prompt_ids: Any,
+        params: Mapping[str, Any],
+        prng_seed: Any,
+        *,
+        steps: int,
+        height: int | None,
+        width: int | None,
+        guidance_scale: Any,
+        latents: Any,
+        neg_prompt_ids: Any,
+        jit: bool,
+        output_latents: bool,
     ) -> np.ndarray:
+        """The images (or latents) of a call, on the host: one program per device with jit, else one program."""
         lead = self._lead(prompt_ids)
         if len(lead) != (2 if jit else 1):
             raise ValueError(
                 f"prompt_ids {tuple(np.shape(prompt_ids))}: with jit=True they are sharded, [devices, per_device, "
                 "...] (flax.training.common_utils.shard), with jit=False they are [n, ...] as prepare_inputs gives"
             )
-        spec, tables, weights = self._prepare(params, num_inference_steps, height, width, raw, lead[0] if jit else None)
-        self._check_inputs(prompt_ids, neg, prng_seed, latents, spec, jit)
+        spec, tables, weights = self._prepare(params, steps, height, width, output_latents, lead[0] if jit else None)
+        self._check_inputs(prompt_ids, neg_prompt_ids, prng_seed, latents, spec, jit)
         if np.ndim(guidance_scale) == 0:  # one scale per image, sharded like the prompts
             guidance_scale = np.full(lead, guidance_scale, np.float32)
+        neg = self._negative(prompt_ids, neg_prompt_ids)
         run = self._sharded if jit else self._single
-        return np.asarray(
-            run(spec, weights, prompt_ids, self._negative(prompt_ids, neg), prng_seed, guidance_scale, latents, tables)
-        )
+        return np.asarray(run(spec, weights, prompt_ids, neg, prng_seed, guidance_scale, latents, tables))
 
     def _lead(self, ids: Any) -> tuple[int, ...]:
         return tuple(np.shape(ids))[: -self._ids_rank]
@@ -446,14 +458,14 @@ class FlaxStableDiffusionPipeline(_FlaxPipeline):
             prompt_ids,
             params,
             prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            latents,
-            neg_prompt_ids,
-            jit,
-            False,
+            steps=num_inference_steps,
+            height=height,
+            width=width,
+            guidance_scale=guidance_scale,
+            latents=latents,
+            neg_prompt_ids=neg_prompt_ids,
+            jit=jit,
+            output_latents=False,
         )
         nsfw = [False] * int(np.prod(images.shape[:-3]))
         return FlaxStableDiffusionPipelineOutput(images, nsfw) if return_dict else (images, nsfw)
@@ -492,14 +504,14 @@ class FlaxStableDiffusionXLPipeline(_FlaxPipeline):
             prompt_ids,
             params,
             prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            latents,
-            neg_prompt_ids,
-            jit,
-            output_type == "latent",
+            steps=num_inference_steps,
+            height=height,
+            width=width,
+            guidance_scale=guidance_scale,
+            latents=latents,
+            neg_prompt_ids=neg_prompt_ids,
+            jit=jit,
+            output_latents=output_type == "latent",
         )
         return FlaxStableDiffusionXLPipelineOutput(images) if return_dict else (images,)
 
