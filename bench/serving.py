@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import CONFIGS, GUIDANCE, write_model  # noqa: E402
+from bench import CONFIGS, GUIDANCE, write_model  # noqa: E402 - bench/bench.py, beside this file
 
 
 def measure(args: argparse.Namespace) -> dict:
