@@ -232,6 +232,8 @@ class _FlaxPipeline:
         self.vae_scale_factor = model.vae_scale_factor
         self.name = model.name
         self._tokenizers = [t.inner for t in model.tokenizers]
+        if len(self._tokenizers) > 1:
+            self.tokenizer_2 = self._tokenizers[1]
         self._default_side = (model.unet_config.sample_size or 64) * model.vae_scale_factor
         self._side_multiple = model.vae_scale_factor * 2 ** (len(model.unet_config.block_out_channels) - 1)
         self._channels = model.unet_config.in_channels

@@ -221,11 +221,10 @@ IN_F32 = {
 }
 
 RUNNER = """
-import json
 import numpy as np
 
 def recorder(prefix):
-    def record(name, value):  # the last value under each name, and its shape
+    def record(name, value):  # keeps the last value under each name
         if isinstance(value, list):  # PIL images
             value = np.stack([np.asarray(image) for image in value])
         np.save(OUT / f"{prefix}.{name}.npy", np.asarray(value))
