@@ -12,6 +12,8 @@ touches the model lives in `engine/`. The model comes from the server's configur
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import logging
 import math
 import os
@@ -193,6 +195,11 @@ def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, s
     ]
 
 
+def _fit(gallery: list) -> dict:
+    # The whole batch at a glance: two pictures a row up to four, then four a row (8 as 4x2).
+    return gr.update(value=gallery, columns=2 if len(gallery) <= 4 else 4)
+
+
 async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> AsyncIterator[tuple]:
     """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures."""
     request = parse_request(pipe, **raw)
@@ -211,7 +218,7 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
             if progress is not None:
                 progress((event.step, event.total), desc="Denoising", unit="steps")
         elif isinstance(event, engine.Preview):
-            yield _preview_gallery(event, ticket.request, step), request.seed, f"Drawing: {step}"
+            yield _fit(_preview_gallery(event, ticket.request, step)), request.seed, f"Drawing: {step}"
         elif isinstance(event, engine.Failed):
             error = event.error
             if isinstance(error, engine.Cancelled):
@@ -224,10 +231,58 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
                 (image, f"{device} · seed {seed}")
                 for image, device, seed in zip(result.images, result.devices, result.seeds, strict=True)
             ]
-            yield gallery, request.seed, describe(result, _as_bool(raw["random_seed"]))
+            yield _fit(gallery), request.seed, describe(result, _as_bool(raw["random_seed"]))
 
 
 # ---- the page ----------------------------------------------------------------------------
+
+
+# ---- history: kept in the browser --------------------------------------------------------
+
+HISTORY_LENGTH = 20
+HISTORY_FIELDS = (
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "steps",
+    "guidance_scale",
+    "scheduler",
+    "size",
+    "images_per_device",
+)
+THUMBNAIL_SIDE = 96
+
+
+def _thumbnail(path: str) -> str:
+    with Image.open(path) as image:
+        image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def show_history(history: list[dict] | None) -> list:
+    items = []
+    for entry in history or []:
+        image = Image.open(io.BytesIO(base64.b64decode(entry["thumbnail"])))
+        items.append((image, f"seed {entry['seed']}"))
+    return items
+
+
+def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[list[dict], list]:
+    """Puts the finished generation first in the browser's history: its settings and a thumbnail."""
+    if not gallery:
+        return history or [], show_history(history)
+    first = gallery[0][0] if isinstance(gallery[0], list | tuple) else gallery[0]
+    entry = dict(zip(HISTORY_FIELDS, form, strict=True), thumbnail=_thumbnail(first))
+    history = [entry, *(history or [])][:HISTORY_LENGTH]
+    return history, show_history(history)
+
+
+def restore(history: list[dict], selected: gr.SelectData) -> list:
+    """The settings of the clicked generation, back in the form (its seed fixed, so it draws the same)."""
+    entry = history[selected.index]
+    return [entry[name] for name in HISTORY_FIELDS] + [False]
 
 
 def _status(pipe: Any) -> str:
@@ -332,9 +387,26 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             with gr.Column(scale=3):
                 # Two fixed columns: one picture stays small enough for its caption to show.
                 gallery = gr.Gallery(
-                    label="Images", columns=2, fit_columns=False, object_fit="contain", format="png", elem_id="gallery"
+                    label="Images",
+                    columns=2,
+                    fit_columns=False,  # one picture keeps a small cell, so its caption shows
+                    object_fit="scale-down",  # never blown up past its own pixels
+                    format="png",
+                    type="filepath",
+                    elem_id="gallery",
                 )
                 info = gr.Markdown(label="Details", elem_id="info")
+                # The last generations of this browser, kept in its local storage, never on the server.
+                history = gr.BrowserState([], storage_key="jax-sd-history")
+                with gr.Accordion(f"History: your last {HISTORY_LENGTH} (click one to restore it)", open=True):
+                    history_gallery = gr.Gallery(
+                        show_label=False,
+                        columns=10,
+                        fit_columns=False,
+                        height=140,
+                        allow_preview=False,
+                        elem_id="history",
+                    )
         gr.Examples(
             examples=[[p] for p in example_prompts(pipe)],
             inputs=[prompt],
@@ -360,6 +432,14 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         submitted = prompt.submit(**event, api_visibility="private")
         # Stop cancels the page's running request; the engine frees its slots at the next chunk.
         stop.click(None, cancels=[clicked, submitted], api_visibility="private")
+
+        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device]
+        for done in (clicked, submitted):
+            done.success(
+                remember, [history, gallery, *form], [history, history_gallery], api_visibility="private", queue=False
+            )
+        history_gallery.select(restore, [history], [*form, random_seed], api_visibility="private", queue=False)
+        demo.load(show_history, [history], [history_gallery], api_visibility="private", queue=False)
 
         timer = gr.Timer(1.0, active=not pipe.ready)
         timer.tick(refresh_status, outputs=[status, timer], queue=False, api_visibility="private")

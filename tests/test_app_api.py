@@ -158,6 +158,7 @@ def test_bad_values_are_refused_with_the_engines_message(change, message):
 def test_random_seed_is_drawn_and_reported():
     pipe = FakeEngine()
     gallery, seed, info = run(pipe, page_values(random_seed=True))[-1]
+    gallery = gallery["value"]
     assert 0 <= seed < 2**32
     assert pipe.calls[0].seed == seed
     assert f"seed {seed} (random)" in info
@@ -169,8 +170,11 @@ def test_the_page_streams_queue_position_previews_then_the_pictures():
     updates = run(FakeEngine(), page_values(images_per_device=2), progress)
     assert "number 1 in line" in updates[0][2]
     preview, _, drawing = updates[1]
+    preview = preview["value"]
     assert preview[0][1] == "preview · step 4/4" and preview[0][0].size == (64, 64) and "Drawing" in drawing
     gallery, seed, info = updates[-1]
+    assert gallery["columns"] == 4  # the batch at a glance
+    gallery = gallery["value"]
     assert [caption for _, caption in gallery] == [
         "cpu:0 · seed 7",
         "cpu:1 · seed 8",
@@ -413,3 +417,20 @@ def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
         assert "compil" not in info, "the warm-up compiled the default shapes for both devices"
     finally:
         server.stop()
+
+
+def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
+    picture = tmp_path / "p.png"
+    Image.new("RGB", (64, 64), "red").save(picture)
+    form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1]
+    history, shown = app.remember([], [(str(picture), "cpu:0 · seed 7")], *form)
+    history, shown = app.remember(
+        history, [(str(picture), "cpu:0 · seed 8")], "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1
+    )
+    assert [entry["prompt"] for entry in history] == ["a dog", "a cat"] and len(shown) == 2
+    assert shown[1][0].size == (64, 64) and shown[1][1] == "seed 7"
+    selected = gr.SelectData(None, {"index": 1, "value": None})
+    assert app.restore(history, selected) == [*form, False]
+    for _ in range(30):
+        history, _ = app.remember(history, [(str(picture), "")], *form)
+    assert len(history) == app.HISTORY_LENGTH

@@ -126,3 +126,24 @@ def test_a_preview_appears_before_the_pictures_and_stop_stops(page):
     expect(page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$")).first).to_be_visible(
         timeout=120_000
     )
+
+
+def test_history_restores_an_earlier_generation(page):
+    from playwright.sync_api import expect
+
+    expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
+    _set_steps(page, 3)
+    page.get_by_label("Random seed").uncheck()
+    prompts = ["a red circle on a blue background", "a yellow star on a purple background", "a small green square"]
+    before = page.locator("#history img").count()
+    for k, text in enumerate(prompts):
+        page.get_by_label("Prompt", exact=True).fill(text)
+        page.get_by_label("Seed", exact=True).fill(str(11 + k))
+        page.locator("#generate").click()
+        expect(page.locator("#history img")).to_have_count(before + k + 1, timeout=120_000)
+    page.get_by_label("Prompt", exact=True).fill("something else")
+    page.get_by_label("Seed", exact=True).fill("99")
+    page.locator("#history img").nth(2).click()  # newest first: the third thumbnail is the first generation
+    expect(page.get_by_label("Prompt", exact=True)).to_have_value(prompts[0])
+    expect(page.get_by_label("Seed", exact=True)).to_have_value("11")
+    expect(page.get_by_label("Random seed")).not_to_be_checked()
