@@ -12,6 +12,7 @@ touches the model lives in `engine/`. The model comes from the server's configur
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import io
 import logging
@@ -234,22 +235,12 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
             yield _fit(gallery), request.seed, describe(result, _as_bool(raw["random_seed"]))
 
 
-# ---- the page ----------------------------------------------------------------------------
+# ---- history (kept in the browser) and live mode ----------------------------------------------
 
-
-# ---- history: kept in the browser --------------------------------------------------------
-
+# The form's fields, in the order the page lists them: history entries and live drawings use them.
+FORM_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "scheduler", "size", "images_per_device")
 HISTORY_LENGTH = 20
-HISTORY_FIELDS = (
-    "prompt",
-    "negative_prompt",
-    "seed",
-    "steps",
-    "guidance_scale",
-    "scheduler",
-    "size",
-    "images_per_device",
-)
+LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
 
 
@@ -274,7 +265,7 @@ def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[l
     if not gallery:
         return history or [], show_history(history)
     first = gallery[0][0] if isinstance(gallery[0], list | tuple) else gallery[0]
-    entry = dict(zip(HISTORY_FIELDS, form, strict=True), thumbnail=_thumbnail(first))
+    entry = dict(zip(FORM_FIELDS, form, strict=True), thumbnail=_thumbnail(first))
     history = [entry, *(history or [])][:HISTORY_LENGTH]
     return history, show_history(history)
 
@@ -282,7 +273,10 @@ def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[l
 def restore(history: list[dict], selected: gr.SelectData) -> list:
     """The settings of the clicked generation, back in the form (its seed fixed, so it draws the same)."""
     entry = history[selected.index]
-    return [entry[name] for name in HISTORY_FIELDS] + [False]
+    return [entry[name] for name in FORM_FIELDS] + [False]
+
+
+# ---- the page ----------------------------------------------------------------------------
 
 
 def _status(pipe: Any) -> str:
@@ -357,6 +351,11 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         with gr.Row():
             with gr.Column(scale=2):
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="What should the picture show?")
+                live = gr.Checkbox(
+                    label="Live: redraw as you type (for one-step Turbo models, or few steps)",
+                    value=False,
+                    elem_id="live",
+                )
                 negative_prompt = gr.Textbox(label="Negative prompt", value="", placeholder="What to keep out of it")
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, scale=3)
@@ -439,6 +438,41 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                 remember, [history, gallery, *form], [history, history_gallery], api_visibility="private", queue=False
             )
         history_gallery.select(restore, [history], [*form, random_seed], api_visibility="private", queue=False)
+
+        # Live mode: every keystroke notes the latest text at once; the drawing waits for a pause and
+        # draws only if its text is still the latest, so a burst of typing makes one picture, for its end.
+        latest: dict[str, str] = {}
+
+        def note(text, request: gr.Request):
+            latest[request.session_hash] = text
+            while len(latest) > 1000:  # one entry per browser tab; the oldest go first
+                latest.pop(next(iter(latest)))
+
+        async def draw_live(
+            on, text, negative, seed_value, steps_value, guidance, kind, size_value, per, request: gr.Request
+        ):
+            await asyncio.sleep(LIVE_PAUSE_S)
+            if not on or not (text or "").strip() or latest.get(request.session_hash) != text:
+                yield gr.skip(), gr.skip(), gr.skip()
+                return
+            values = (text, negative, seed_value, steps_value, guidance, kind, size_value, per)
+            raw = dict(zip(FORM_FIELDS, values, strict=True), random_seed=False)
+            try:
+                async for gallery_update, used_seed, details in run_generation(pipe, raw, None):
+                    yield gallery_update, used_seed, f"Live: “{text}” · {details}"
+            except gr.Error as e:
+                yield gr.skip(), gr.skip(), f"Live: {e.message}"
+
+        prompt.input(note, [prompt], None, queue=False, api_visibility="private")
+        prompt.input(
+            draw_live,
+            [live, *form],
+            [gallery, seed, info],
+            trigger_mode="always_last",  # a drawing in progress is followed by one for the latest text only
+            show_progress="hidden",
+            concurrency_limit=concurrency or 2 * pipe.batch_size,
+            api_visibility="private",
+        )
         demo.load(show_history, [history], [history_gallery], api_visibility="private", queue=False)
 
         timer = gr.Timer(1.0, active=not pipe.ready)

@@ -147,3 +147,29 @@ def test_history_restores_an_earlier_generation(page):
     expect(page.get_by_label("Prompt", exact=True)).to_have_value(prompts[0])
     expect(page.get_by_label("Seed", exact=True)).to_have_value("11")
     expect(page.get_by_label("Random seed")).not_to_be_checked()
+
+
+def test_live_mode_draws_once_per_pause_and_ends_on_the_final_text(page):
+    from playwright.sync_api import expect
+
+    expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
+    _set_steps(page, 4)
+    box = page.get_by_label("Prompt", exact=True)
+    box.fill("")
+    page.locator("#live input").check()
+    finished = []  # the live pictures the page showed, by the text they were drawn for
+
+    def watch(ms: int) -> None:
+        for _ in range(ms // 100):
+            text = page.locator("#info").inner_text()
+            if text.startswith("Live:") and "image" in text and (not finished or finished[-1] != text):
+                finished.append(text)
+            page.wait_for_timeout(100)
+
+    words = ["a", "yellow", "star", "on", "purple"]
+    for word in words:
+        box.press_sequentially(word + " ", delay=40)
+        watch(2500)  # a pause: the drawing for the text so far
+    page.locator("#live input").uncheck()
+    assert 1 <= len(finished) <= len(words), finished
+    assert finished[-1].startswith(f"Live: “{' '.join(words)} ”"), finished  # the text as typed, last space too
