@@ -8,11 +8,13 @@ compiled programs live in `Programs`, a bounded cache (engine/programs.py).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,6 +138,8 @@ class Engine:
             max_live_plans=max_live_plans,
             preview=self.preview,
         )
+        # The scheduler thread must not be mid-call into JAX while the interpreter shuts down.
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     # -- what the page reads ---------------------------------------------------------------
     @property
@@ -338,6 +342,12 @@ class Engine:
     def close(self) -> None:
         self._batcher.close()
         self.programs.shutdown()
+
+
+def _close_if_alive(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 def load_pipeline(
