@@ -35,6 +35,7 @@ def measure(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from engine import GenerationRequest, load_pipeline
+    from engine.programs import lane_widths
 
     pipe = load_pipeline(args.folder, max_batch_size=args.slots)
     config = CONFIGS[args.config]
@@ -66,9 +67,10 @@ def measure(args: argparse.Namespace) -> dict:
             "p95_s": float(np.percentile(latencies, 95)),
         }
 
-    # Warm every width the runs use: compiling is not what is measured here.
-    for n in sorted({1, *[min(u, args.slots) for u in args.users]}):
-        [t.result() for t in [pipe.submit(request(900 + k, steps=1)) for k in range(n)]]
+    # Compile every width first: compiling is not what is measured here (and on a CPU a compile in the
+    # background takes cores from the batches that run meanwhile).
+    plan = pipe.plan(pipe.limits.resolve(request(0), pipe.defaults))
+    pipe.programs.compile(plan, list(lane_widths(plan.slots_per_device)))
     report = {"slots": pipe.batch_size, "runs": [crowd(n) for n in args.users]}
     if args.slots > 1:
         n = pipe.batch_size
