@@ -165,8 +165,14 @@ class UNet2DConditionModel(nnx.Module):
         encoder_hidden_states: jax.Array,
         text_embeds: jax.Array | None = None,
         time_ids: jax.Array | None = None,
+        down_block_additional_residuals: tuple[jax.Array, ...] | None = None,
+        mid_block_additional_residual: jax.Array | None = None,
     ) -> jax.Array:
-        """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels]."""
+        """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels].
+
+        The additional residuals are a ControlNet's (`engine.controlnet`): one per skip connection, added to
+        the skips, and one added to the mid block's output, as diffusers' UNet does.
+        """
         cfg = self.config
         dtype = self.conv_in.kernel.dtype
         timesteps = jnp.broadcast_to(timesteps, (sample.shape[0],))
@@ -189,8 +195,12 @@ class UNet2DConditionModel(nnx.Module):
         for block in self.down_blocks:
             x, block_skips = block(x, temb, context)
             skips.extend(block_skips)
+        if down_block_additional_residuals is not None:
+            skips = [s + r.astype(s.dtype) for s, r in zip(skips, down_block_additional_residuals, strict=True)]
         if self.mid_block is not None:
             x = self.mid_block(x, temb, context)
+        if mid_block_additional_residual is not None:
+            x = x + mid_block_additional_residual.astype(x.dtype)
         for block in self.up_blocks:
             x = block(x, skips, temb, context)
         x = self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
