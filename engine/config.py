@@ -245,3 +245,119 @@ class CLIPTextConfig(_FromJson):
         )
         _require(self.hidden_act in ("quick_gelu", "gelu"), where, f"hidden_act {self.hidden_act!r} is not supported")
         _require(self.hidden_size % self.num_attention_heads == 0, where, "hidden_size must divide into heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPVisionConfig(_FromJson):
+    """transformers `CLIPVisionConfig` (the safety checker's `vision_config`), architecture fields only."""
+
+    _strict = False  # transformers' bookkeeping keys, as for the text encoder
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    projection_dim: int = 512  # CLIPVisionModelWithProjection's; the safety checker projects with its own
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224  # the side the position embeddings were learnt for; the input must have it
+    patch_size: int = 32  # SD's safety checker is ViT-L/14: 14
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    model_type: str = "clip_vision_model"
+
+    def validate(self, where: str) -> None:
+        _require(
+            self.model_type == "clip_vision_model",
+            where,
+            f"model_type {self.model_type!r} is not a CLIP vision tower ('clip_vision_model')",
+        )
+        _require(self.hidden_act in ("quick_gelu", "gelu"), where, f"hidden_act {self.hidden_act!r} is not supported")
+        _require(self.hidden_size % self.num_attention_heads == 0, where, "hidden_size must divide into heads")
+        _require(self.num_channels == 3, where, "only RGB (num_channels 3) is supported")
+        _require(isinstance(self.image_size, int), where, "only square image_size is supported")
+        _require(self.image_size % self.patch_size == 0, where, "image_size must be a multiple of patch_size")
+
+    @property
+    def num_positions(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + 1  # the patches and the class token
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetyCheckerConfig(_FromJson):
+    """transformers `CLIPConfig` as diffusers' `StableDiffusionSafetyChecker` reads it (safety_checker/config.json).
+
+    Only the vision half and `projection_dim` matter: the checker has no text tower.
+    """
+
+    _strict = False
+
+    projection_dim: int = 512  # visual_projection's width, and the concept embeddings'
+    vision_config: CLIPVisionConfig = CLIPVisionConfig()
+    model_type: str = "clip"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> SafetyCheckerConfig:
+        # transformers: a legacy `vision_config_dict` (SD 1.x folders carry one) replaces
+        # `vision_config` whole, its missing keys taking the defaults.
+        vision = raw.get("vision_config_dict")
+        vision = raw.get("vision_config") if vision is None else vision
+        flat = {k: v for k, v in raw.items() if not k.startswith(("vision_config", "text_config"))}
+        config = super().from_dict(flat, where)
+        return dataclasses.replace(config, vision_config=CLIPVisionConfig.from_dict(vision or {}, f"{where}: vision"))
+
+    def validate(self, where: str) -> None:
+        _require(self.model_type == "clip", where, f"model_type {self.model_type!r} is not a CLIP model ('clip')")
+
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+PIL_BICUBIC = 3  # PIL's code for bicubic resampling, as `resample` says it
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureExtractorConfig(_FromJson):
+    """transformers `CLIPImageProcessor` (feature_extractor/preprocessor_config.json): what the safety checker sees.
+
+    `size` and `crop_size` are held as numbers; the file writes them as dicts ({"shortest_edge": 224},
+    {"height": 224, "width": 224}) or, in older folders, as plain ints.
+    """
+
+    _strict = False  # processor class names and flags with no effect here (do_convert_rgb)
+
+    do_resize: bool = True
+    size: int = 224  # the shortest edge after the resize; the other keeps the aspect ratio
+    resample: int = PIL_BICUBIC
+    do_center_crop: bool = True
+    crop_size: tuple[int, int] = (224, 224)  # (height, width)
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> FeatureExtractorConfig:
+        raw = dict(raw)
+        size, crop = raw.get("size", cls.size), raw.get("crop_size", cls.crop_size)
+        if isinstance(size, dict):
+            _require(set(size) == {"shortest_edge"}, where, f"size {size} is not supported (only shortest_edge)")
+            raw["size"] = size["shortest_edge"]
+        if isinstance(crop, dict):
+            raw["crop_size"] = (crop["height"], crop["width"])
+        elif isinstance(crop, int):
+            raw["crop_size"] = (crop, crop)
+        return super().from_dict(raw, where)
+
+    def validate(self, where: str) -> None:
+        _require(isinstance(self.size, int), where, f"size {self.size!r} is not supported (only shortest_edge)")
+        _require(
+            self.resample == PIL_BICUBIC or not self.do_resize,
+            where,
+            f"resample {self.resample} is not supported (only {PIL_BICUBIC}, bicubic)",
+        )
+        _require(
+            not (self.do_resize and self.do_center_crop) or max(self.crop_size) <= self.size,
+            where,
+            f"crop_size {self.crop_size} is larger than the resized shortest edge {self.size}",
+        )
+        _require(len(self.image_mean) == len(self.image_std) == 3, where, "image_mean and image_std need 3 values")

@@ -16,6 +16,7 @@ ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = ASSETS / "default"
 
 WEIGHT_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+SAFETY_FEATURE_EXTRACTOR = "feature_extractor/preprocessor_config.json"  # the safety checker's preprocessing
 PIPELINE_FAMILIES = {
     "StableDiffusionPipeline": "sd",
     "StableDiffusionXLPipeline": "sdxl",
@@ -61,11 +62,17 @@ class ModelFolder:
         return files
 
 
-def select_hub_files(files: list[str], variant: str | None = None) -> list[str]:
-    """The files of a Hub repo that a text-to-image load needs: configs, tokenizers, one weights variant."""
+def select_hub_files(files: list[str], variant: str | None = None, safety_checker: bool = False) -> list[str]:
+    """The files of a Hub repo that a text-to-image load needs: configs, tokenizers, one weights variant.
+
+    With `safety_checker`, also the checker's config and weights and the feature extractor's config.
+    """
+    components = WEIGHT_COMPONENTS + (("safety_checker",) if safety_checker else ())
     wanted = [f for f in files if f == "model_index.json" or re.match(r"^(scheduler|tokenizer(_2)?)/", f)]
-    wanted += [f for f in files if re.match(rf"^({'|'.join(WEIGHT_COMPONENTS)})/config\.json$", f)]
-    for component in WEIGHT_COMPONENTS:
+    wanted += [f for f in files if re.match(rf"^({'|'.join(components)})/config\.json$", f)]
+    if safety_checker:
+        wanted += [f for f in files if f == SAFETY_FEATURE_EXTRACTOR]
+    for component in components:
         by_variant: dict[str | None, list[str]] = {}
         for f in files:
             head, _, tail = f.partition("/")
@@ -77,7 +84,7 @@ def select_hub_files(files: list[str], variant: str | None = None) -> list[str]:
     return sorted(set(wanted))
 
 
-def _fetch_from_hub(repo_id: str, variant: str | None) -> Path:
+def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = False) -> Path:
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
@@ -93,21 +100,24 @@ def _fetch_from_hub(repo_id: str, variant: str | None) -> Path:
             return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
         except Exception as cache_err:
             raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from cache_err
-    patterns = select_hub_files(files, variant)
+    patterns = select_hub_files(files, variant, safety_checker)
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
     except (OSError, HfHubHTTPError) as err:
         raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from err
 
 
-def resolve(source: str | Path | None = None, variant: str | None = None) -> ModelFolder:
-    """Finds (and, for a Hub id, downloads) a diffusers-format folder and reads its model_index.json."""
+def resolve(source: str | Path | None = None, variant: str | None = None, safety_checker: bool = False) -> ModelFolder:
+    """Finds (and, for a Hub id, downloads) a diffusers-format folder and reads its model_index.json.
+
+    `safety_checker`: a Hub download also fetches the safety checker's files (engine/safety.py).
+    """
     if source is None:
         root, name = DEFAULT_MODEL, "embedded default"
     elif Path(source).expanduser().is_dir():
         root, name = Path(source).expanduser(), str(source)
     elif isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
-        root, name = _fetch_from_hub(source, variant), source
+        root, name = _fetch_from_hub(source, variant, safety_checker), source
     else:
         raise SourceError(f"model source {str(source)!r} is neither a folder nor a Hub id like 'owner/name'")
     index_path = root / "model_index.json"

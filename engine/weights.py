@@ -27,6 +27,8 @@ LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bia
 # text encoders written without their `text_model.` prefix (as transformers 5 saves them).
 LEGACY_RENAMES: tuple[tuple[str, str], ...] = (
     (r"^(embeddings\.|encoder\.layers\.|final_layer_norm\.)", r"text_model.\1"),
+    # The safety checker's vision tower as transformers 5 saves it, without `vision_model.`'s inner one.
+    (r"^vision_model\.(embeddings|encoder|pre_layrnorm|post_layernorm)\.", r"vision_model.vision_model.\1."),
     (r"(attentions\.\d+)\.query\.", r"\1.to_q."),
     (r"(attentions\.\d+)\.key\.", r"\1.to_k."),
     (r"(attentions\.\d+)\.value\.", r"\1.to_v."),
@@ -42,7 +44,8 @@ class WeightsError(ValueError):
 
 def checkpoint_name(path: tuple) -> str:
     *modules, leaf = (str(p) for p in path)
-    return ".".join([*modules, LEAF_NAMES[leaf]])
+    # A bare parameter (CLIP's `class_embedding`, the safety checker's `concept_embeds`) keeps its own name.
+    return ".".join([*modules, LEAF_NAMES.get(leaf, leaf)])
 
 
 def to_our_layout(leaf: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
