@@ -196,11 +196,6 @@ def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, s
     ]
 
 
-def _fit(gallery: list) -> dict:
-    # The whole batch at a glance: two pictures a row up to four, then four a row (8 as 4x2).
-    return gr.update(value=gallery, columns=2 if len(gallery) <= 4 else 4)
-
-
 async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> AsyncIterator[tuple]:
     """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures."""
     request = parse_request(pipe, **raw)
@@ -219,7 +214,7 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
             if progress is not None:
                 progress((event.step, event.total), desc="Denoising", unit="steps")
         elif isinstance(event, engine.Preview):
-            yield _fit(_preview_gallery(event, ticket.request, step)), request.seed, f"Drawing: {step}"
+            yield _preview_gallery(event, ticket.request, step), request.seed, f"Drawing: {step}"
         elif isinstance(event, engine.Failed):
             error = event.error
             if isinstance(error, engine.Cancelled):
@@ -232,7 +227,7 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
                 (image, f"{device} · seed {seed}")
                 for image, device, seed in zip(result.images, result.devices, result.seeds, strict=True)
             ]
-            yield _fit(gallery), request.seed, describe(result, _as_bool(raw["random_seed"]))
+            yield gallery, request.seed, describe(result, _as_bool(raw["random_seed"]))
 
 
 # ---- history (kept in the browser) and live mode ----------------------------------------------
@@ -387,7 +382,7 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                 # Two fixed columns: one picture stays small enough for its caption to show.
                 gallery = gr.Gallery(
                     label="Images",
-                    columns=2,
+                    columns=4,  # the batch at a glance: 8 pictures as 4x2 (a props update would reach API clients)
                     fit_columns=False,  # one picture keeps a small cell, so its caption shows
                     object_fit="scale-down",  # never blown up past its own pixels
                     format="png",
