@@ -104,7 +104,7 @@ def _float(text: str | None) -> float | None:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compare `ids` and `weights` yourself
 class TokenizedPrompt:
     """A prompt's token ids and weights in chunks of the encoder's length (77): host arrays.
 
@@ -115,7 +115,7 @@ class TokenizedPrompt:
     ids: np.ndarray
     weights: np.ndarray
     token_count: int  # the prompt's tokens as A1111's counter shows them (a full chunk counts 75)
-    empty: np.ndarray = field(repr=False, compare=False)  # [77] or [encoders, 77]: the ids of an empty chunk
+    empty: np.ndarray = field(repr=False)  # [77] or [encoders, 77]: the ids of an empty chunk
 
     @property
     def chunks(self) -> int:
