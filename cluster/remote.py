@@ -61,6 +61,7 @@ class RemoteTicket(engine.Ticket):
             super().cancel()
             if self.call is not None:
                 self.call.cancel()  # cancels the streaming task, which cancels the call on its replica
+            self.emit(engine.Failed(cancelled()))  # ended for the caller now; the replica stops at its next step
 
 
 class RemoteEngine:
@@ -135,8 +136,9 @@ class RemoteEngine:
 
     async def _stream(self, ticket: RemoteTicket, request: engine.GenerationRequest) -> None:
         for attempt in range(self.retries + 1):
-            call = self.handle.generate.remote(request, self.model)
+            call = None
             try:
+                call = self.handle.generate.remote(request, self.model)
                 async for event in call:
                     ticket.emit(event)
                 if not ticket.done:
@@ -145,8 +147,8 @@ class RemoteEngine:
                     )
                 return
             except asyncio.CancelledError:
-                call.cancel()
-                ticket.emit(engine.Failed(cancelled()))
+                if call is not None:
+                    call.cancel()
                 raise
             except LOST as e:
                 if attempt < self.retries and not ticket.cancel_requested:
