@@ -71,9 +71,14 @@ def model_summary(pipe: Any) -> str:
     """The model's family and the settings the page starts from, which follow the model (Turbo: 1 step, no guidance)."""
     d = pipe.defaults
     family = getattr(pipe, "label", None) or pipe.family
+    safety = {
+        "on": "the model's safety checker withholds flagged pictures",
+        "off": "safety checker off (--no-safety-checker)",
+        "none": "this model ships no safety checker: pictures are not filtered",
+    }[getattr(pipe, "safety_mode", "none")]
     return (
         f"**{family}** · defaults: {d['width']}×{d['height']}, {d['num_inference_steps']} steps, "
-        f"guidance {d['guidance_scale']:g}, {d['scheduler']}"
+        f"guidance {d['guidance_scale']:g}, {d['scheduler']} · {safety}"
     )
 
 
@@ -183,9 +188,20 @@ def describe(result: Any, random_seed: bool) -> str:
         text += f"  \nWaited {result.timings['queue_s']:.1f} s for a free slot."
     if result.compiled:
         text += f"  \nIncludes compiling for this size ({result.timings['compile_s']:.1f} s), which happens once."
+    filtered = sum(result.nsfw_content_detected or [])
+    if filtered:
+        text += (
+            f"  \n{filtered} picture{'s were' if filtered != 1 else ' was'} withheld by the safety checker; "
+            "try another seed or prompt."
+        )
     for warning in result.warnings:
         text += f"  \nNote: {warning}"
     return text
+
+
+def _placeholder(size: tuple[int, int]) -> Image.Image:
+    # A plain grey picture where the safety checker withheld one; its caption says why, and its seed.
+    return Image.new("RGB", size, (128, 128, 128))
 
 
 def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, step: str) -> list:
@@ -223,9 +239,14 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
             raise _refuse(f"Generation failed: {error}")
         elif isinstance(event, engine.Finished):
             result = event.result
+            flagged = result.nsfw_content_detected or [False] * len(result.images)
             gallery = [
-                (image, f"{device} · seed {seed}")
-                for image, device, seed in zip(result.images, result.devices, result.seeds, strict=True)
+                (_placeholder(image.size), f"filtered by the safety checker · seed {seed}")
+                if withheld
+                else (image, f"{device} · seed {seed}")
+                for image, device, seed, withheld in zip(
+                    result.images, result.devices, result.seeds, flagged, strict=True
+                )
             ]
             yield gallery, request.seed, describe(result, _as_bool(raw["random_seed"]))
 
@@ -531,6 +552,11 @@ def main(argv: list[str] | None = None) -> None:
         "lines (env JAX_SD_AUTH)",
     )
     parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
+    parser.add_argument(
+        "--no-safety-checker",
+        action="store_true",
+        help="do not run the model's own safety checker (for local use; a public page should keep it)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.images_per_device <= MAX_IMAGES_PER_DEVICE:
         parser.error(f"--images-per-device must be from 1 to {MAX_IMAGES_PER_DEVICE}")
@@ -555,7 +581,9 @@ def main(argv: list[str] | None = None) -> None:
 
     engine.enable_compile_cache()
     started = time.perf_counter()
-    pipe = engine.load_pipeline(args.model, max_batch_size=args.max_batch_size, sizes=sizes)
+    pipe = engine.load_pipeline(
+        args.model, max_batch_size=args.max_batch_size, sizes=sizes, safety_checker=not args.no_safety_checker
+    )
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))
     demo = create_demo(pipe, images_per_device=args.images_per_device)

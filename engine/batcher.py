@@ -394,7 +394,8 @@ class Batcher:
     def _decode(self, batch: Batch, finished: list[int]) -> None:
         width = self._width(batch, finished)
         try:
-            pictures = np.asarray(batch.programs.lanes[width].decode(self.params, batch.slots.x))
+            pictures, flagged = batch.programs.lanes[width].decode(self.params, batch.slots.x)
+            pictures, flagged = np.asarray(pictures), np.asarray(flagged)
         except Exception as error:
             log.exception("decoding failed")
             for job in {id(batch.occupant[k][0]): batch.occupant[k][0] for k in finished}.values():
@@ -407,7 +408,10 @@ class Batcher:
             if job.failed:
                 continue
             device, lane = divmod(k, per)
-            job.images[index] = (pictures[device * width + lane], self.devices[device])
+            row = device * width + lane
+            # A flagged picture never leaves the engine: black in its place, as diffusers does.
+            picture = np.zeros_like(pictures[row]) if flagged[row] else pictures[row]
+            job.images[index] = (picture, self.devices[device], bool(flagged[row]))
             if len(job.images) == len(job.seeds):
                 job.ticket.emit(Finished(self._result(job)))
 
@@ -420,6 +424,7 @@ class Batcher:
             images=[Image.fromarray(np.round(a * 255).astype(np.uint8)) for a in arrays],
             seeds=list(job.seeds),
             devices=[job.images[i][1] for i in order],
+            nsfw_content_detected=[job.images[i][2] for i in order],
             timings={
                 "queue_s": started - job.submitted,
                 "compile_s": job.compile_s,

@@ -289,6 +289,18 @@ def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) 
     return jnp.clip(images / 2 + 0.5, 0.0, 1.0)
 
 
-def decode_lanes(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
-    """`decode` of each device's first `lanes` slots: images [devices * lanes, H, W, 3]."""
-    return decode(plan, graphdef, params, take_lanes(x, plan, lanes))
+def decode_lanes(
+    plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array, checker: Any = None
+) -> tuple[jax.Array, jax.Array]:
+    """`decode` of each device's first `lanes` slots: images [devices * lanes, H, W, 3], and [devices * lanes]
+    flags from the safety checker, in the same program (all False without one).
+
+    `checker`: None, or (checker graphdef, checker params) with the graphdef static (engine/safety.py).
+    """
+    images = decode(plan, graphdef, params, take_lanes(x, plan, lanes))
+    if checker is None:
+        return images, jnp.zeros(images.shape[:1], bool)
+    from .safety import check  # the checker is optional: its module loads only where a model ships one
+
+    checker_graphdef, checker_params = checker
+    return images, check(checker_graphdef, checker_params, images).has_nsfw_concepts

@@ -56,7 +56,7 @@ class Lanes:
 
     admit: Compiled  # (params, slots, admission) -> slots
     advance: Compiled  # (params, slots, num_steps) -> (slots, finite [batch])
-    decode: Compiled  # (params, latents) -> images [devices * lanes, H, W, 3] in [0, 1]
+    decode: Callable  # (params, latents) -> (images [devices * lanes, H, W, 3] in [0, 1], safety flags)
     seconds: float  # compiling (or loading from the disk cache) took this long
     fresh: bool  # at least one program was compiled, not loaded from the disk cache
 
@@ -85,9 +85,20 @@ class CompiledPlan:
 class Programs:
     """Plan -> CompiledPlan, bounded, least recently used first out; compiles on one background thread."""
 
-    def __init__(self, graphdef, params, batch: NamedSharding, replicated: NamedSharding, example, max_plans: int = 8):
-        """`example(plan)` gives a host `Admission` of empty slots for a plan: the shapes the programs take."""
+    def __init__(
+        self,
+        graphdef,
+        params,
+        batch: NamedSharding,
+        replicated: NamedSharding,
+        example,
+        max_plans: int = 8,
+        checker: tuple | None = None,
+    ):
+        """`example(plan)` gives a host `Admission` of empty slots for a plan: the shapes the programs take.
+        `checker`: the safety checker's (graphdef, params on the devices) that every decode runs, or None."""
         self.graphdef, self.params = graphdef, params
+        self.checker = checker
         self._batch, self._replicated = batch, replicated
         self._example = example
         self.max_plans = max_plans
@@ -189,7 +200,7 @@ class Programs:
         lanes = Lanes(
             admit=lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
             advance=lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
-            decode=lower(pipeline.decode_lanes, slots.x, out_shardings=every),
+            decode=self._lower_decode(plan, width, slots.x, every),
             seconds=time.perf_counter() - start,
             fresh=self._hits[0] - hits < 3,  # three programs; each one loaded from disk counts a hit
         )
@@ -198,6 +209,21 @@ class Programs:
             return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), slots)
 
         return lanes, empty
+
+    def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> Callable:
+        """decode_lanes with the safety checker's graph folded in (static) and its params as an argument."""
+        if self.checker is None:
+            fn = functools.partial(pipeline.decode_lanes, checker=None)
+            jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=(every, every))
+            return jitted.lower(plan, width, self.graphdef, self.params, latents).compile()
+        checker_graphdef, checker_params = self.checker
+
+        def decode(plan, width, graphdef, params, latents, checker_params):
+            return pipeline.decode_lanes(plan, width, graphdef, params, latents, (checker_graphdef, checker_params))
+
+        jitted = jax.jit(decode, static_argnums=(0, 1, 2), out_shardings=(every, every))
+        compiled = jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params).compile()
+        return lambda params, latents: compiled(params, latents, checker_params)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

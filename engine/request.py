@@ -162,3 +162,4 @@ class GenerationResult:
     warnings: list[str] = field(default_factory=list)
     arrays: np.ndarray | None = None  # [n, h, w, 3] float32 in [0, 1], before rounding to 8 bits
     request: GenerationRequest | None = None  # complete: every default filled in
+    nsfw_content_detected: list[bool] = field(default_factory=list)  # per picture: the safety checker withheld it

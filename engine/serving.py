@@ -79,6 +79,7 @@ class Engine:
         max_plans: int = 8,
         max_live_plans: int = 2,
         previews: bool = True,
+        safety=None,
     ):
         """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
         None for any size in range. `max_batch_size` is rounded up to a multiple of the device count."""
@@ -121,7 +122,12 @@ class Engine:
                         scheduler=self.defaults["scheduler"],
                     )
                 )
-        self.programs = Programs(model.graphdef, self.params, self._lanes, replicated, self._example, max_plans)
+        # The safety checker (engine/safety.py), run in the decode program: "on", "off" or "none" (not shipped).
+        self.safety_mode = "none" if safety is None else "on"
+        checker = None if safety is None else (safety.graphdef, jax.device_put(safety.params, replicated))
+        self.programs = Programs(
+            model.graphdef, self.params, self._lanes, replicated, self._example, max_plans, checker=checker
+        )
         self._blanks: dict[Plan, Job] = {}
         self.preview: PreviewMap | None = None
         if previews:  # fitted once, at load: one small VAE decode
@@ -355,11 +361,23 @@ def load_pipeline(
     dtype: str | None = None,
     images_per_device: int = 1,
     devices: list[jax.Device] | None = None,
+    safety_checker: bool = True,
     **serving,
 ) -> Engine:
     """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
 
-    `serving`: the Engine's options (max_batch_size, sizes, chunk_steps, max_waiting, max_plans, previews).
+    `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
+    repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
+    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews).
     """
-    model = load_model_folder(source, dtype or default_dtype())
-    return Engine(model, devices=devices, images_per_device=images_per_device, **serving)
+    dtype = dtype or default_dtype()
+    model = load_model_folder(source, dtype)
+    checker = None
+    if safety_checker:
+        from .safety import load_safety_checker
+
+        checker = load_safety_checker(source, dtype)
+    engine = Engine(model, devices=devices, images_per_device=images_per_device, safety=checker, **serving)
+    if not safety_checker:
+        engine.safety_mode = "off"
+    return engine
