@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from PIL import Image
 # transformers (the tokenizers) advises installing PyTorch on import; the app does not need it.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import engine  # noqa: E402
+from engine.pnginfo import GenerationParameters, png_info, save_png  # noqa: E402
 
 log = logging.getLogger("jax-sd")
 
@@ -199,6 +201,43 @@ def describe(result: Any, random_seed: bool) -> str:
     return text
 
 
+def _with_parameters(image: Image.Image, request: engine.GenerationRequest, seed: int, model: str) -> str:
+    """The picture as a PNG file that carries its recipe (A1111's "parameters" chunk): what the gallery serves,
+    so a downloaded picture remembers how it was made."""
+    handle, path = tempfile.mkstemp(suffix=".png", prefix=f"seed{seed}-")
+    os.close(handle)
+    save_png(image, path, GenerationParameters.from_request(request, seed, model))
+    return path
+
+
+def read_png_info(pipe: Any, image: str | None) -> list:
+    """A dropped picture's recipe, into the form (prompt, negative, seed, steps, guidance, sampler, size)."""
+    params = png_info(image) if image is not None else None
+    if params is None:
+        note = "That picture carries no generation parameters." if image is not None else gr.skip()
+        return [gr.skip()] * (len(FORM_FIELDS) + 1) + [note]
+    fields = params.request_fields()
+    size = f"{params.width}x{params.height}" if params.width and params.height else None
+    offered = size_choices(pipe)
+    values = {
+        "prompt": params.prompt,
+        "negative_prompt": params.negative_prompt,
+        "seed": params.seed,
+        "steps": fields.get("num_inference_steps"),
+        "guidance_scale": params.guidance_scale,
+        "scheduler": params.scheduler,
+        "size": size if size and (offered is None or size in offered) else None,
+        "images_per_device": None,
+    }
+    form = [gr.skip() if values[name] is None else values[name] for name in FORM_FIELDS]
+    notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
+    if size and values["size"] is None:
+        notes.append(f"Its size {size} is not offered here; the size is unchanged.")
+    if params.scheduler is None:
+        notes.append("Its sampler is not one of ours; the scheduler is unchanged.")
+    return [*form, False, " ".join(notes)]
+
+
 def _placeholder(size: tuple[int, int]) -> Image.Image:
     # A plain grey picture where the safety checker withheld one; its caption says why, and its seed.
     return Image.new("RGB", size, (128, 128, 128))
@@ -243,7 +282,7 @@ async def run_generation(pipe: Any, raw: dict[str, Any], progress: Any) -> Async
             gallery = [
                 (_placeholder(image.size), f"filtered by the safety checker · seed {seed}")
                 if withheld
-                else (image, f"{device} · seed {seed}")
+                else (_with_parameters(image, result.request, seed, pipe.model_name), f"{device} · seed {seed}")
                 for image, device, seed, withheld in zip(
                     result.images, result.devices, result.seeds, flagged, strict=True
                 )
@@ -396,6 +435,9 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                         step=1,
                         label=f"Images per device ({n} device{'s' if n != 1 else ''})",
                     )
+                with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
+                    # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
+                    dropped = gr.File(file_types=[".png"], type="filepath", show_label=False, elem_id="pnginfo")
                 with gr.Row():
                     button = gr.Button("Generate", variant="primary", elem_id="generate", scale=3)
                     stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
@@ -454,6 +496,13 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                 remember, [history, gallery, *form], [history, history_gallery], api_visibility="private", queue=False
             )
         history_gallery.select(restore, [history], [*form, random_seed], api_visibility="private", queue=False)
+        dropped.upload(
+            lambda image: read_png_info(pipe, image),
+            [dropped],
+            [*form, random_seed, info],
+            api_visibility="private",
+            queue=False,
+        )
 
         # Live mode: every keystroke notes the latest text at once; the drawing waits for a pause and
         # draws only if its text is still the latest, so a burst of typing makes one picture, for its end.

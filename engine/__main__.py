@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, load_pipeline
+    from .pnginfo import GenerationParameters, save_png
 
     enable_compile_cache()
     try:
@@ -67,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     for image, seed in zip(result.images, result.seeds, strict=True):
-        image.save(args.out / f"seed{seed}.png")
+        # Each picture carries its recipe, as AUTOMATIC1111 writes it: the page's "PNG info" reads it back.
+        save_png(
+            image,
+            args.out / f"seed{seed}.png",
+            GenerationParameters.from_request(result.request, seed, pipe.model_name),
+        )
     if len(result.images) > 1:
         grid(result.images).save(args.out / "grid.png")
     for warning in result.warnings:

@@ -19,6 +19,7 @@ from PIL import Image
 
 import app
 import engine
+from engine.pnginfo import GenerationParameters, png_info, save_png
 from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
@@ -317,6 +318,8 @@ def test_api_returns_as_many_images_as_asked_with_their_seeds(client):
             assert f"{image.size[0]}x{image.size[1]}" == defaults["size"]
             assert image.getextrema() != ((0, 0), (0, 0), (0, 0))  # not a blank picture
     assert f"{2 * devices} images" in info
+    recipe = png_info(gallery[1]["image"])  # a downloaded picture remembers how it was made
+    assert (recipe.prompt, recipe.seed, recipe.num_inference_steps) == (defaults["prompt"], 1235, defaults["steps"])
 
 
 @pytest.mark.slow
@@ -430,3 +433,44 @@ def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
     for _ in range(30):
         history, _ = app.remember(history, [(str(picture), "")], *form)
     assert len(history) == app.HISTORY_LENGTH
+
+
+def test_a_dropped_picture_fills_the_form_with_its_recipe(tmp_path):
+    picture = tmp_path / "made-elsewhere.png"
+    recipe = GenerationParameters(
+        prompt="a cat, (masterpiece:1.2)",
+        negative_prompt="blurry",
+        num_inference_steps=30,
+        scheduler="euler_a",
+        guidance_scale=6.5,
+        seed=1234,
+        width=88,
+        height=64,
+        model="sd15",
+    )
+    save_png(Image.new("RGB", (88, 64)), picture, recipe)
+    *form, random_seed, note = app.read_png_info(FakeEngine(), str(picture))
+    assert form[:6] == ["a cat, (masterpiece:1.2)", "blurry", 1234, 30, 6.5, "euler_a"]
+    assert form[6] == "88x64" and random_seed is False and "seed 1234" in note
+
+
+def test_automatic1111s_own_text_fills_the_form_the_same_way(tmp_path):
+    from PIL.PngImagePlugin import PngInfo
+
+    text = (
+        "a photo of a cat\nNegative prompt: ugly, blurry\n"
+        "Steps: 20, Sampler: Euler a, CFG scale: 7, Seed: 5, Size: 88x64, Model hash: abc, Model: sd15"
+    )
+    info = PngInfo()
+    info.add_text("parameters", text)
+    picture = tmp_path / "a1111.png"
+    Image.new("RGB", (88, 64)).save(picture, pnginfo=info)
+    *form, random_seed, _ = app.read_png_info(FakeEngine(), str(picture))
+    assert form[:7] == ["a photo of a cat", "ugly, blurry", 5, 20, 7.0, "euler_a", "88x64"]
+
+
+def test_a_picture_without_a_recipe_changes_nothing(tmp_path):
+    picture = tmp_path / "plain.png"
+    Image.new("RGB", (8, 8)).save(picture)
+    *form, random_seed, note = app.read_png_info(FakeEngine(), str(picture))
+    assert "carries no generation parameters" in note

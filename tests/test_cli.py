@@ -9,6 +9,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from engine.pnginfo import png_info
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,14 @@ def test_generate_writes_images_and_a_grid(tmp_path):
     w, h = Image.open(out / "seed4.png").size
     assert Image.open(out / "grid.png").size == (2 * w, h)
     assert "seeds [4, 5]" in done.stdout and "compile" in done.stdout
+    recipe = png_info(out / "seed5.png")  # each picture carries how it was made, as AUTOMATIC1111 writes it
+    assert (recipe.prompt, recipe.seed, recipe.num_inference_steps, recipe.model) == (
+        "a red circle",
+        5,
+        2,
+        "embedded default",
+    )
+    assert (recipe.width, recipe.height) == (w, h) and recipe.scheduler == "ddim"
 
 
 def test_bad_input_is_one_clear_line(tmp_path):
