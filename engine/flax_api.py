@@ -183,7 +183,7 @@ class _Output:
 
 @dataclasses.dataclass
 class FlaxStableDiffusionPipelineOutput(_Output):
-    nsfw_content_detected: list[bool] = dataclasses.field(default_factory=list)  # all False: no checker yet
+    nsfw_content_detected: list[bool] = dataclasses.field(default_factory=list)  # per picture: the checker flagged it
 
 
 @dataclasses.dataclass
@@ -254,7 +254,7 @@ class _FlaxPipeline:
         revision: str | None = None,
         variant: str | None = None,
         scheduler: FlaxScheduler | None = None,
-        safety_checker: Any = None,
+        safety_checker: Any = "folder",
         feature_extractor: Any = None,
         from_pt: bool | None = None,
         split_head_dim: bool | None = None,
@@ -273,8 +273,11 @@ class _FlaxPipeline:
                 )
             if name not in IGNORED_KEYWORDS:
                 raise TypeError(f"{cls.__name__}.from_pretrained() got an unexpected keyword argument {name!r}")
-        if safety_checker is not None:
-            raise ValueError("there is no safety checker here yet: pass safety_checker=None")
+        if safety_checker not in ("folder", None):
+            raise ValueError(
+                "passing a safety checker object is not supported: by default the folder's own safety_checker/ "
+                "runs (engine.safety); safety_checker=None turns it off"
+            )
         if scheduler is not None and not isinstance(scheduler, FlaxScheduler):
             raise TypeError(
                 f"scheduler={type(scheduler).__name__}: pass one of engine.flax_api's schedulers, e.g. "
@@ -288,7 +291,14 @@ class _FlaxPipeline:
         scheduler = scheduler or for_kind(model.defaults["scheduler"], model.scheduler_config)
         params: dict[str, Any] = nnx.to_pure_dict(model.params)
         params["scheduler"] = scheduler.create_state()
-        return cls(model, scheduler, dtype), params
+        pipeline = cls(model, scheduler, dtype)
+        if safety_checker == "folder":  # as the old pipelines: the repository's own checker, when it ships one
+            from .safety import load_safety_checker
+
+            pipeline.safety_checker = load_safety_checker(
+                _source(pretrained_model_name_or_path, revision, variant, name)
+            )
+        return pipeline, params
 
     def __getattr__(self, name: str) -> Any:
         if name in _GONE_ATTRIBUTES:
@@ -470,6 +480,14 @@ class FlaxStableDiffusionPipeline(_FlaxPipeline):
             output_latents=False,
         )
         nsfw = [False] * int(np.prod(images.shape[:-3]))
+        if self.safety_checker is not None:  # flagged pictures come back black, as the old pipeline returned them
+            from .safety import check
+
+            flat = np.asarray(images).reshape(-1, *images.shape[-3:])
+            checker = self.safety_checker
+            nsfw = [bool(f) for f in np.asarray(check(checker.graphdef, checker.params, flat).has_nsfw_concepts)]
+            flat = np.where(np.array(nsfw)[:, None, None, None], 0.0, flat)
+            images = flat.reshape(images.shape)
         return FlaxStableDiffusionPipelineOutput(images, nsfw) if return_dict else (images, nsfw)
 
 

@@ -100,3 +100,17 @@ def test_the_page_shows_placeholders_or_with_the_flag_the_pictures(strict, tmp_p
             assert "safety checker withholds flagged pictures" in text
     finally:
         server.stop()
+
+
+def test_the_flax_api_reports_flagged_pictures_as_the_old_pipeline_did(strict):
+    import jax
+
+    from engine.flax_api import FlaxStableDiffusionPipeline
+
+    pipeline, params = FlaxStableDiffusionPipeline.from_pretrained(strict)
+    ids = pipeline.prepare_inputs(["a red circle"] * 2)
+    out = pipeline(ids, params, jax.random.PRNGKey(0), num_inference_steps=2)
+    assert out.nsfw_content_detected == [True, True] and not np.asarray(out.images).any()
+    off, params = FlaxStableDiffusionPipeline.from_pretrained(strict, safety_checker=None)
+    out = off(ids, params, jax.random.PRNGKey(0), num_inference_steps=2)
+    assert out.nsfw_content_detected == [False, False] and np.asarray(out.images).std() > 0.01
