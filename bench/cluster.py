@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 # A cluster on this machine alone: Ray's processes talk over the loopback address (read when Ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# On a machine busy with other work, Serve's HTTP proxy can take longer than the 5 s Serve allows it to report ready.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 from bench import CONFIGS, GUIDANCE, write_model  # noqa: E402 - bench/bench.py, beside this file
 

@@ -115,7 +115,7 @@ class EngineReplica:
     def activity(self) -> dict:
         """What this replica is doing: requests its engine is drawing, and those stopped by their callers."""
         self._tickets = [t for t in self._tickets if not t.done]
-        return {"replica": self.name, "drawing": len(self._tickets), "stopped": self.stopped}
+        return {"replica": self.name, "pid": os.getpid(), "drawing": len(self._tickets), "stopped": self.stopped}
 
     async def generate(self, request: engine.GenerationRequest, model: str | None = None) -> AsyncIterator[Event]:
         """The request's events, streamed; cancelling the call (the caller's Stop) cancels the request."""
