@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .attention import dot_product_attention, softmax_attention  # noqa: F401 - the text encoder's plain path
+
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
 
 
@@ -71,40 +73,18 @@ class Identity(nnx.Module):
         return x
 
 
-def _uses_cudnn(q: jax.Array) -> bool:
-    # cuDNN's fused flash attention on GPU, for the half-precision head sizes it takes.
-    head_dim = q.shape[-1]
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-
-
-def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim]; logits and softmax in f32.
-
-    Two plain einsums: on the CPU this runs the UNet twice as fast as `jax.nn.dot_product_attention`'s
-    XLA path at SD's shapes (which carries an extra grouped-query dimension in every dot).
-    `mask` [tokens_q, tokens_k], True where attention is allowed.
-    """
-    q = q * q.shape[-1] ** -0.5  # q, not the logits: on the CPU the whole UNet runs 1.6x faster so
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [batch, heads, tokens_q, tokens_k]
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
-    """Scaled dot-product attention over [batch, tokens, heads * head_dim] inputs."""
+    """Scaled dot-product attention over [batch, tokens, heads * head_dim] inputs.
+
+    The formulation is chosen per backend and shape (engine/attention.py): cuDNN on GPU, Pallas flash
+    attention on TPU for long sequences, query blocks on the CPU where the logits are large.
+    """
     b, n, inner = q.shape
     head_dim = inner // heads
     q = q.reshape(b, n, heads, head_dim)  # [batch, tokens, heads, head_dim]
     k = k.reshape(b, k.shape[1], heads, head_dim)
     v = v.reshape(b, v.shape[1], heads, head_dim)
-    if _uses_cudnn(q):
-        try:
-            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn").reshape(b, n, inner)
-        except (ValueError, NotImplementedError, RuntimeError):  # a shape cuDNN does not take, or no cuDNN
-            pass
-    return softmax_attention(q, k, v).reshape(b, n, inner)
+    return dot_product_attention(q, k, v).reshape(b, n, inner)
 
 
 class Attention(nnx.Module):

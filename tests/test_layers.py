@@ -1,0 +1,90 @@
+"""Every attention path agrees with the plain formulation.
+
+The TPU flash kernel runs here on the CPU in Pallas's TPU interpret mode
+(`pltpu.force_tpu_interpret_mode`): the same kernel, block sizes, padding and segment ids that a TPU
+would run, interpreted op by op. What that does not cover: Mosaic's compilation for a real TPU, and speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from engine import attention as attn
+
+
+def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0):
+    r = np.random.RandomState(seed)
+    q = r.randn(b, n, h, d)
+    k, v = r.randn(b, m, h, d), r.randn(b, m, h, d)
+    return tuple(jnp.asarray(a.astype(np.float32), dtype) for a in (q, k, v))
+
+
+@pytest.mark.parametrize(
+    "shape, block",
+    [
+        ((2, 1024, 1024, 8, 8), 32),  # SD 1.5 at a quarter width, 256x256: the first level's self-attention
+        ((2, 1024, 77, 8, 8), 128),  # its cross-attention to the text
+        ((1, 256, 256, 1, 64), 64),  # SD 2.x: one 64-wide head
+        ((2, 64, 64, 8, 40), 16),
+        ((1, 96, 50, 3, 24), 96),  # one block: the whole
+    ],
+)
+def test_blockwise_attention_is_the_plain_one(shape, block):
+    q, k, v = qkv(*shape)
+    want = attn.softmax_attention(q, k, v)
+    got = jax.jit(attn.blockwise_attention, static_argnums=3)(q, k, v, block)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b, n, m, h", [(2, 1024, 1024, 8), (2, 1024, 77, 8), (1, 4096, 4096, 1), (2, 96, 96, 8)])
+def test_query_block_divides_the_queries_and_bounds_the_logits(b, n, m, h):
+    block = attn.query_block((b, n, h, 64), m)
+    assert n % block == 0
+    assert 4 * b * h * block * m <= max(attn.CPU_BLOCK_BYTES, 4 * b * h * m)  # one query row at the least
+
+
+@pytest.mark.parametrize(
+    "backend, q, k, dtype, kind",
+    [
+        ("gpu", (2, 4096, 8, 40), (2, 4096, 8, 40), jnp.bfloat16, "cudnn"),
+        ("gpu", (2, 4096, 8, 40), (2, 77, 8, 40), jnp.float16, "cudnn"),
+        ("gpu", (2, 4096, 8, 40), (2, 4096, 8, 40), jnp.float32, "plain"),  # cuDNN's kernel is half precision
+        ("gpu", (2, 64, 1, 3), (2, 64, 1, 3), jnp.bfloat16, "plain"),  # a head size cuDNN does not take
+        ("tpu", (2, 4096, 8, 40), (2, 4096, 8, 40), jnp.bfloat16, "flash"),  # SD 1.5 at 512x512, first level
+        ("tpu", (2, 16384, 10, 64), (2, 16384, 10, 64), jnp.bfloat16, "flash"),
+        ("tpu", (2, 4096, 8, 40), (2, 77, 8, 40), jnp.bfloat16, "plain"),  # cross-attention: 77 keys
+        ("tpu", (2, 1024, 8, 80), (2, 1024, 8, 80), jnp.bfloat16, "plain"),  # short
+        ("cpu", (2, 1024, 8, 8), (2, 1024, 8, 8), jnp.float32, "blocks"),  # 64 MB of logits
+        ("cpu", (2, 64, 8, 160), (2, 64, 8, 160), jnp.float32, "plain"),  # 256 KB
+        ("cpu", (2, 256, 8, 80), (2, 77, 8, 80), jnp.float32, "plain"),
+    ],
+)
+def test_attention_kind_by_backend_and_shape(backend, q, k, dtype, kind):
+    assert attn.attention_kind(backend, jax.ShapeDtypeStruct(q, dtype), jax.ShapeDtypeStruct(k, dtype)) == kind
+
+
+def test_dot_product_attention_on_the_cpu_takes_blocks_and_agrees():
+    q, k, v = qkv(2, 1024, 1024, 8, 8)
+    assert attn.attention_kind("cpu", q, k) == "blocks"
+    np.testing.assert_allclose(
+        jax.jit(attn.dot_product_attention)(q, k, v), attn.softmax_attention(q, k, v), atol=2e-6, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 256, 256, 2, 40),  # whole 128-token blocks, SD 1.5's 40-wide heads
+        (2, 200, 200, 1, 64),  # queries and keys padded to 256; padded keys masked by segment ids
+        (1, 128, 77, 1, 160),  # cross-attention shape; a head wider than 128 zero-padded to 256
+    ],
+)
+def test_tpu_flash_kernel_interpreted_agrees_with_plain(shape):
+    q, k, v = qkv(*shape)
+    with pltpu.force_tpu_interpret_mode():
+        got = attn.flash_attention(q, k, v)
+    np.testing.assert_allclose(got, attn.softmax_attention(q, k, v), atol=2e-6, rtol=1e-5)
