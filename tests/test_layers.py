@@ -1,4 +1,4 @@
-"""Every attention path agrees with the plain formulation.
+"""Every attention path and the GroupNorm agree with the plain formulation they replace.
 
 The TPU flash kernel runs here on the CPU in Pallas's TPU interpret mode
 (`pltpu.force_tpu_interpret_mode`): the same kernel, block sizes, padding and segment ids that a TPU
@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from engine import attention as attn
+from engine.layers import GroupNorm
 
 
 def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0):
@@ -88,3 +90,28 @@ def test_tpu_flash_kernel_interpreted_agrees_with_plain(shape):
     with pltpu.force_tpu_interpret_mode():
         got = attn.flash_attention(q, k, v)
     np.testing.assert_allclose(got, attn.softmax_attention(q, k, v), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape, groups, eps",
+    [
+        ((2, 32, 32, 64), 32, 1e-5),  # UNet resnets
+        ((2, 8, 8, 1280), 32, 1e-5),
+        ((1, 16, 16, 128), 32, 1e-6),  # VAE
+        ((3, 5, 7, 12), 4, 1e-6),  # odd sizes, 3 channels a group
+        ((2, 64, 96), 32, 1e-6),  # [batch, tokens, channels]
+    ],
+)
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_group_norm_is_flaxs(shape, groups, eps, dtype, tol):
+    r = np.random.RandomState(1)
+    c = shape[-1]
+    x = jnp.asarray((r.randn(*shape) * 3 + 2).astype(np.float32), dtype)  # an offset mean, as activations have
+    ours = GroupNorm(c, num_groups=groups, epsilon=eps, rngs=nnx.Rngs(0), param_dtype=dtype)
+    flax = nnx.GroupNorm(c, num_groups=groups, epsilon=eps, rngs=nnx.Rngs(0), param_dtype=dtype)
+    scale, bias = jnp.asarray(r.randn(c), dtype), jnp.asarray(r.randn(c), dtype)
+    for m in (ours, flax):
+        m.scale[...], m.bias[...] = scale, bias
+    got, want = ours(x), flax(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
