@@ -45,6 +45,55 @@ CONFIGS = {
         clip=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
         size=256,
     ),
+    # SD 1.5's layout at a quarter of its width (8 heads of 8 to 32), 256x256: attention over 1024
+    # tokens with many narrow heads, where the CPU's cost is the logits' memory traffic.
+    "sd15-quarter": dict(
+        unet=dict(
+            block_out_channels=(64, 128, 256, 256),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            layers_per_block=2,
+            sample_size=32,
+        ),
+        vae=dict(block_out_channels=(32, 64, 128, 128), layers_per_block=2),
+        clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12),
+        size=256,
+    ),
+    # SD 2.x's layout (linear projections, 64-wide heads, 1024-wide text) at a quarter of its width, 256x256.
+    "sd2-quarter": dict(
+        unet=dict(
+            block_out_channels=(64, 128, 256, 256),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=1024,
+            attention_head_dim=(1, 2, 4, 4),  # heads per block (diffusers' misnomer): 64 wide each
+            use_linear_projection=True,
+            layers_per_block=2,
+            sample_size=32,
+        ),
+        vae=dict(block_out_channels=(32, 64, 128, 128), layers_per_block=2),
+        clip=dict(
+            hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=16, hidden_act="gelu"
+        ),
+        size=256,
+    ),
+    # Stable Diffusion 1.5 at 256x256: the real model's every width, a quarter of its pixels.
+    "sd15-256": dict(
+        unet=dict(
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            layers_per_block=2,
+            sample_size=64,
+        ),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2),
+        clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        size=256,
+    ),
     # Stable Diffusion 1.5 at 512x512.
     "sd15": dict(
         unet=dict(
