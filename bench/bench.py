@@ -264,7 +264,7 @@ def bench_diffusers(
     from diffusers import DiffusionPipeline
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(os.cpu_count())  # the same cores JAX's CPU backend uses
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the same cores JAX's CPU backend uses
     dtype = torch.float16 if half else torch.float32
     pipe = DiffusionPipeline.from_pretrained(folder, variant="fp16" if half else None, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -293,10 +293,11 @@ def bench_diffusers(
 WORKER_ENV = dict(os.environ)  # as this process was started, before main() changes it
 
 
-def run_worker(system: str, folder: Path, case: tuple, accelerator: bool) -> dict:
-    """One system's timings, measured in a fresh Python process."""
+def run_worker(system: str, folder: Path, case: tuple, accelerator: bool, cores: int | None = None) -> dict:
+    """One system's timings, measured in a fresh Python process (on the first `cores` CPUs, if given)."""
     images, size, guidance, steps, reps = case
-    command = [sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
+    pin = ["taskset", "-c", f"0-{cores - 1}"] if cores else []
+    command = [*pin, sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
     command += ["--size", str(size), "--guidance", str(guidance), "--steps", *map(str, steps), "--reps", str(reps)]
     command += ["--half"] if accelerator else []
     done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
@@ -324,6 +325,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time diffusers with torch.compile")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument(
+        "--cores",
+        type=int,
+        help="pin each system to this many CPUs (both thread pools follow): on a shared machine, one core "
+        "each keeps PyTorch's spinning thread barriers out of the comparison",
+    )
     # A child process's part: one system, one case (see run_worker).
     parser.add_argument("--worker", choices=["ours", "diffusers", "diffusers_compile"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -358,7 +365,10 @@ def main() -> None:
         guidance = GUIDANCE[config.get("family", "sd")]
         for images in args.images:
             case = (images, config["size"], guidance, tuple(args.steps), args.reps)
-            run = {"images": images, **{system: run_worker(system, folder, case, accelerator) for system in systems}}
+            load = os.getloadavg()[0]  # the machine is shared: the 1-minute load average around the run
+            workers = {system: run_worker(system, folder, case, accelerator, args.cores) for system in systems}
+            run = {"images": images, "cores": args.cores or os.cpu_count(), "load": [load, os.getloadavg()[0]]}
+            run.update(workers)
             for system in systems[1:]:
                 run[f"speedup_step_vs_{system}"] = run[system]["step_ms"] / run["ours"]["step_ms"]
                 run[f"speedup_call_vs_{system}"] = (
