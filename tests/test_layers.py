@@ -42,6 +42,13 @@ def test_blockwise_attention_is_the_plain_one(shape, block):
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 64, 64, 8, 8), (2, 128, 77, 8, 40), (1, 32, 48, 2, 160)])
+def test_keys_major_attention_is_the_plain_one(shape):
+    q, k, v = qkv(*shape)
+    got = jax.jit(attn.keys_major_attention)(q, k, v)
+    np.testing.assert_allclose(got, attn.softmax_attention(q, k, v), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("b, n, m, h", [(2, 1024, 1024, 8), (2, 1024, 77, 8), (1, 4096, 4096, 1), (2, 96, 96, 8)])
 def test_query_block_divides_the_queries_and_bounds_the_logits(b, n, m, h):
     block = attn.query_block((b, n, h, 64), m)
