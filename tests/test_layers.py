@@ -15,7 +15,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from engine import attention as attn
-from engine.layers import GroupNorm
+from engine.layers import Conv, GroupNorm
 
 
 def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0):
@@ -122,3 +122,23 @@ def test_group_norm_is_flaxs(shape, groups, eps, dtype, tol):
     got, want = ours(x), flax(x)
     assert got.dtype == dtype and got.shape == x.shape
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "shape, out, kernel, padding",
+    [
+        ((2, 4, 4, 64), 32, 3, 1),  # the UNet's lowest level: gathered taps, one matrix product
+        ((2, 8, 8, 16), 24, 3, 1),  # 128 pixels: gathered
+        ((1, 3, 5, 8), 8, 3, ((0, 1), (0, 1))),  # uneven padding
+        ((2, 16, 16, 8), 8, 3, 1),  # 512 pixels: XLA's convolution
+        ((2, 4, 4, 8), 16, 1, 0),  # 1x1: XLA's convolution
+    ],
+)
+def test_conv_is_flaxs(shape, out, kernel, padding):
+    r = np.random.RandomState(2)
+    x = jnp.asarray(r.randn(*shape).astype(np.float32))
+    pad = ((padding, padding), (padding, padding)) if isinstance(padding, int) else padding
+    ours = Conv(shape[-1], out, (kernel, kernel), padding=pad, rngs=nnx.Rngs(0))
+    flax = nnx.Conv(shape[-1], out, (kernel, kernel), padding=pad, rngs=nnx.Rngs(0))
+    flax.bias[...] = ours.bias[...] = jnp.asarray(r.randn(out).astype(np.float32))
+    np.testing.assert_allclose(jax.jit(lambda x: ours(x))(x), flax(x), atol=2e-5, rtol=1e-5)
