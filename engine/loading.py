@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,10 +53,14 @@ class Tokenizer:
 
         self.inner = CLIPTokenizer.from_pretrained(str(folder))
         self.max_length = self.inner.model_max_length
+        # A call sets padding and truncation on the shared Rust tokenizer before it encodes: two threads
+        # interleaving would get each other's settings (ids of the wrong length). One call at a time.
+        self._lock = threading.Lock()
 
     def __call__(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        full = self.inner(text, truncation=False).input_ids
-        ids = self.inner(text, padding="max_length", max_length=self.max_length, truncation=True).input_ids
+        with self._lock:
+            full = self.inner(text, truncation=False).input_ids
+            ids = self.inner(text, padding="max_length", max_length=self.max_length, truncation=True).input_ids
         warnings = []
         if len(full) > self.max_length:
             dropped = self.inner.decode(full[self.max_length - 1 : -1])

@@ -244,3 +244,23 @@ def test_bf16_weights_draw_nearly_the_f32_picture(pipe):
     got = half.generate("a red circle", num_inference_steps=10, seed=1).arrays
     assert got.dtype == np.float32
     assert np.abs(got - want).mean() < 0.02 and np.abs(got - want).max() < 0.2
+
+
+def test_the_tokenizer_gives_77_ids_to_every_thread():
+    # transformers sets padding and truncation on its shared tokenizer per call: threads must take turns.
+    import threading
+
+    from engine.loading import Tokenizer
+
+    tokenizer, shapes = Tokenizer(DEFAULT_MODEL / "tokenizer"), set()
+
+    def user(k):
+        for i in range(200):
+            shapes.add(tokenizer("a red circle " * (1 + (i + k) % 30))[0].shape)
+
+    threads = [threading.Thread(target=user, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert shapes == {(1, 77)}
