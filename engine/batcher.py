@@ -46,8 +46,10 @@ class Job:
 
     ticket: Ticket
     plan: Plan
-    ids: np.ndarray  # [77] or [encoders, 77]
+    ids: np.ndarray  # [chunks, 77] or [chunks, encoders, 77]
+    weights: np.ndarray  # f32, the shape of ids: each token's emphasis
     neg_ids: np.ndarray
+    neg_weights: np.ndarray
     extra: dict[str, np.ndarray]  # one image's row of each
     tables: schedulers.Tables  # host arrays, scalar leaves
     seeds: list[int]
@@ -301,7 +303,9 @@ class Batcher:
         latents = job.latents[index] if given else np.zeros(job.latent_shape, np.float32)
         return dict(
             ids=job.ids,
+            weights=job.weights,
             neg_ids=job.neg_ids,
+            neg_weights=job.neg_weights,
             extra=job.extra,
             latents=latents,
             given=np.bool_(given),

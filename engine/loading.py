@@ -55,10 +55,10 @@ class Tokenizer:
         self.max_length = self.inner.model_max_length
         # A call sets padding and truncation on the shared Rust tokenizer before it encodes: two threads
         # interleaving would get each other's settings (ids of the wrong length). One call at a time.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def __call__(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        with self._lock:
+        with self.lock:
             full = self.inner(text, truncation=False).input_ids
             ids = self.inner(text, padding="max_length", max_length=self.max_length, truncation=True).input_ids
         warnings = []

@@ -7,8 +7,8 @@ its own schedule, `decode` turns latents into pictures. `ENCODERS` holds what di
 ids -> UNet conditioning. Classifier-free guidance batches the unconditional and conditional halves into
 one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
 with guidance off the unconditional half is not computed at all. Everything a user changes per request
-(steps, guidance scale, seed, prompt) is a traced array; only the `Plan` (shapes, the scheduler kind,
-`max_steps`, whether guidance is on, `clip_skip`) is static.
+(steps, guidance scale, seed, prompt and its emphasis) is a traced array; only the `Plan` (shapes, the
+scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's chunk count) is static.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import schedulers
+from . import prompts, schedulers
 from .clip import CLIPTextModel
 from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
@@ -52,6 +52,7 @@ class Plan:
     guidance: bool  # classifier-free guidance on (scale > 1): the UNet batch doubles
     family: str = "sd"
     clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
+    chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
 
     @property
@@ -138,6 +139,17 @@ ENCODERS: dict[str, Callable[[Models, jax.Array, dict, Plan, bool], Conditioning
 }
 
 
+def encode_prompts(
+    models: Models, ids: jax.Array, weights: jax.Array, extra: dict, plan: Plan, negative: bool
+) -> Conditioning:
+    """Token chunks -> the UNet's conditioning: the family's encoder over every chunk, with emphasis.
+
+    ids int32 and weights f32 [batch, plan.chunks, 77] (SDXL: [batch, plan.chunks, 2, 77]); a prompt of one
+    chunk with weights 1 gives exactly what `ENCODERS[plan.family]` gives for its ids.
+    """
+    return prompts.encode_chunks(ENCODERS[plan.family], models, ids, weights, extra, plan, negative)
+
+
 def _pair(uncond, cond):
     # Interleave so that image k's two halves sit next to each other: a batch sharded by image
     # stays sharded by image, with no cross-device shuffle.
@@ -162,14 +174,17 @@ def initial_latents(seeds: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
 class Admission:
     """What new requests bring to a batch: one row per slot, used where `mask` is set (host arrays).
 
-    ids, neg_ids int32 [batch, 77] (SDXL: [batch, encoders, 77]); extra: the family's other per-image
+    ids, neg_ids int32 and weights, neg_weights f32 [batch, chunks, 77] (SDXL: [batch, chunks, encoders, 77]):
+    a prompt and its negative prompt in 75-token chunks with their emphasis; extra: the family's other per-image
     inputs (SDXL: time ids); latents [batch, h, w, c] unscaled noise, used where `given`, else drawn from
     the slot's seed; tables: each slot's own schedule (its own step count).
     """
 
     mask: jax.Array  # [batch] bool: the slots being (re)filled
     ids: jax.Array
+    weights: jax.Array
     neg_ids: jax.Array
+    neg_weights: jax.Array
     extra: dict[str, Any]
     latents: jax.Array  # [batch, h, w, c] f32
     given: jax.Array  # [batch] bool: latents came with the request
@@ -204,10 +219,9 @@ def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
-    encode = ENCODERS[plan.family]
-    cond = encode(models, new.ids, new.extra, plan, False)
+    cond = encode_prompts(models, new.ids, new.weights, new.extra, plan, False)
     if plan.guidance:  # guidance off: the unconditional half is never computed
-        uncond = encode(models, new.neg_ids, new.extra, plan, True)
+        uncond = encode_prompts(models, new.neg_ids, new.neg_weights, new.extra, plan, True)
         cond = jax.tree.map(_pair, uncond, cond)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)

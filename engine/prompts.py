@@ -14,21 +14,22 @@ Mirrors A1111's `parse_prompt_attention` (modules/prompt_parser.py) and its CLIP
 
 Not here: A1111's prompt editing (`[cat:dog:0.5]`, read as text) and `AND` (composable diffusion).
 A plain prompt of up to 75 tokens gives one chunk of weight 1: exactly the ids and conditioning the
-tokenizer and `pipeline.ENCODERS` give without this module.
+tokenizer and the family's encoder give without this module. The engine calls this module through
+`pipeline.encode_prompts` (device side) and `Engine` (tokenizing on the host).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from .pipeline import ENCODERS, Conditioning, Models, Plan
 
 ROUND = 1.1  # (words): A1111's factor per pair of round brackets
 SQUARE = 1 / 1.1  # [words]
@@ -156,7 +157,8 @@ def tokenize_chunks(
     pad = end if tok.pad_token_id is None else tok.pad_token_id
     comma = tok.get_vocab().get(",</w>")
     runs = parse_prompt_attention(text) if emphasis else [(text, 1.0)]
-    tokenized = tok([t for t, _ in runs], add_special_tokens=False, truncation=False, verbose=False).input_ids
+    with getattr(tokenizer, "lock", contextlib.nullcontext()):  # `loading.Tokenizer`: one call at a time
+        tokenized = tok([t for t, _ in runs], add_special_tokens=False, truncation=False, verbose=False).input_ids
 
     chunks: list[tuple[list[int], list[float]]] = []
     tokens: list[int] = []
@@ -254,9 +256,9 @@ def apply_emphasis(z: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def encode_chunks(
-    models: Models, ids: jax.Array, weights: jax.Array, extra: dict, plan: Plan, negative: bool
-) -> Conditioning:
-    """`pipeline.ENCODERS[plan.family]` over chunks, with emphasis: the UNet's conditioning.
+    encode: Callable, models: Any, ids: jax.Array, weights: jax.Array, extra: dict, plan: Any, negative: bool
+) -> Any:
+    """The family's `encode` (`pipeline.ENCODERS`) over chunks, with emphasis: the UNet's conditioning.
 
     ids int32 and weights f32 [batch, chunks, 77] (SDXL: [batch, chunks, 2, 77]), from `stack`; extra and
     negative as for `ENCODERS` (batch first). Every chunk goes through the family's encoder as one more row
@@ -267,7 +269,7 @@ def encode_chunks(
     b, c = ids.shape[:2]
     rows = lambda a: a.reshape(b * c, *a.shape[2:])  # noqa: E731 [batch * chunks, ...], chunk-minor
     per_chunk = jax.tree.map(lambda a: jnp.repeat(a, c, axis=0), extra)
-    cond = ENCODERS[plan.family](models, rows(ids), per_chunk, plan, negative)
+    cond = encode(models, rows(ids), per_chunk, plan, negative)
     context = cond.context.reshape(b, c, *cond.context.shape[1:])  # [batch, chunks, 77, width]
     widths = [enc.config.hidden_size for enc in (models.text_encoder, models.text_encoder_2) if enc is not None]
     if sum(widths) != context.shape[-1]:
@@ -278,4 +280,6 @@ def encode_chunks(
     context = jnp.concatenate([emphasize(part, weights[:, :, k]) for k, part in enumerate(parts)], axis=-1)
     context = context.reshape(b, -1, context.shape[-1])  # [batch, chunks * 77, width]
     first = lambda a: None if a is None else a.reshape(b, c, *a.shape[1:])[:, 0]  # noqa: E731
-    return Conditioning(context, first(cond.text_embeds), first(cond.time_ids))
+    return dataclasses.replace(
+        cond, context=context, text_embeds=first(cond.text_embeds), time_ids=first(cond.time_ids)
+    )

@@ -96,7 +96,8 @@ class Limits:
     guidance_range: tuple[float, float] = (0.0, 30.0)
     max_images: int = 64
     max_images_per_device: int = 8
-    max_prompt_chars: int = 2000  # the text encoder reads 77 tokens; this only stops absurd payloads
+    max_prompt_chars: int = 2000  # stops absurd payloads before tokenizing; `max_chunks` is the real bound
+    max_chunks: int = 4  # 75-token chunks of a prompt (300 tokens): each count is a context length to compile
 
     @property
     def min_side(self) -> int:
@@ -149,6 +150,14 @@ class Limits:
         if not _whole(r.clip_skip) or not 0 <= r.clip_skip <= self.max_clip_skip:
             raise InvalidRequest(
                 f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
+            )
+
+    def check_chunks(self, chunks: int, tokens: int, what: str = "prompt") -> None:
+        """A tokenized prompt's length: more chunks than `max_chunks` is refused with the token budget."""
+        if chunks > self.max_chunks:
+            raise InvalidRequest(
+                f"{what} is too long: {tokens} tokens need {chunks} chunks of 75; at most {self.max_chunks} chunks "
+                f"({75 * self.max_chunks} tokens) are served, so shorten it or remove a BREAK"
             )
 
 

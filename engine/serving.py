@@ -29,6 +29,7 @@ from .loading import FAMILY_MAX_SIDE, LoadedModel, load_model_folder
 from .pipeline import Admission, Plan
 from .preview import PreviewMap, fit_preview
 from .programs import Programs, lane_widths
+from .prompts import TokenizedPrompt, align, tokenize_prompt
 from .request import GenerationRequest, GenerationResult, InvalidRequest, Limits, common_sizes
 from .ticket import Progress, Ticket
 
@@ -171,7 +172,19 @@ class Engine:
         return self.warmup_state.done.is_set()
 
     # -- requests -> jobs ------------------------------------------------------------------
-    def plan(self, r: GenerationRequest) -> Plan:
+    def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
+        """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/prompts.py),
+        padded to one chunk count; refused when longer than `limits.max_chunks`."""
+        prompt = tokenize_prompt(self.model.tokenizers, r.prompt)
+        negative = tokenize_prompt(self.model.tokenizers, r.negative_prompt or "")
+        self.limits.check_chunks(prompt.chunks, prompt.token_count)
+        self.limits.check_chunks(negative.chunks, negative.token_count, "negative prompt")
+        return prompt, negative
+
+    def plan(self, r: GenerationRequest, chunks: int | None = None) -> Plan:
+        """The static shapes of a complete request; `chunks`: its prompts' chunk count (None: tokenizes them)."""
+        if chunks is None:
+            chunks = max(p.chunks for p in self.prompts(r))
         factor = self.model.vae_scale_factor
         return Plan(
             batch=self.batch_size,
@@ -182,14 +195,19 @@ class Engine:
             guidance=r.guided,
             family=self.family,
             clip_skip=int(r.clip_skip),
+            chunks=chunks,
             devices=len(self._devices),
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
         return (plan.latent_height, plan.latent_width, self.model.latent_channels)
 
-    def _job(self, ticket: Ticket, r: GenerationRequest, plan: Plan) -> Job:
-        ids, neg_ids, extra = self._tokens(r, plan)
+    def _job(
+        self, ticket: Ticket, r: GenerationRequest, plan: Plan, prompts: tuple[TokenizedPrompt, TokenizedPrompt]
+    ) -> Job:
+        prompt, negative = align(*prompts, chunks=plan.chunks)
+        one = dataclasses.replace(plan, batch=1, devices=1)
+        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.negative_prompt).items()}
         latents = None
         if r.latents is not None:
             want = (r.num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
@@ -202,8 +220,10 @@ class Engine:
         return Job(
             ticket=ticket,
             plan=plan,
-            ids=ids,
-            neg_ids=neg_ids,
+            ids=prompt.ids,
+            weights=prompt.weights,
+            neg_ids=negative.ids,
+            neg_weights=negative.weights,
             extra=extra,
             tables=schedulers.tables(self.model.scheduler_config, r.scheduler, r.num_inference_steps, plan.max_steps),
             seeds=r.image_seeds(),
@@ -211,18 +231,6 @@ class Engine:
             latents=latents,
             latent_shape=self._latent_shape(plan),
         )
-
-    def _tokens(self, r: GenerationRequest, plan: Plan) -> tuple[np.ndarray, np.ndarray, dict]:
-        """One image's token ids ([77], SDXL [2, 77]), negative ids and the family's other inputs."""
-        ids, _ = self.model.tokenize(r.prompt)
-        neg_ids, _ = self.model.tokenize(r.negative_prompt or "", what="negative prompt")
-        one = dataclasses.replace(plan, batch=1, devices=1)
-        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.negative_prompt).items()}
-        return ids[0], neg_ids[0], extra
-
-    def _warnings(self, r: GenerationRequest) -> list[str]:
-        found = self.model.tokenize(r.prompt)[1] + self.model.tokenize(r.negative_prompt or "", "negative prompt")[1]
-        return list(dict.fromkeys(found))
 
     def _blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
@@ -237,7 +245,7 @@ class Engine:
                 height=1,
                 width=1,
             )
-            job = self._job(Ticket(r, []), r, plan)
+            job = self._job(Ticket(r, []), r, plan, self.prompts(r))
             job.tables = dataclasses.replace(job.tables, num_loop_steps=np.int32(0))
             self._blanks[plan] = job
         return self._blanks[plan]
@@ -250,7 +258,9 @@ class Engine:
         return Admission(
             mask=np.zeros(b, bool),
             ids=stack(row.ids),
+            weights=stack(row.weights),
             neg_ids=stack(row.neg_ids),
+            neg_weights=stack(row.neg_weights),
             extra={k: stack(v) for k, v in row.extra.items()},
             latents=np.zeros((b, *row.latent_shape), np.float32),
             given=np.zeros(b, bool),
@@ -264,9 +274,11 @@ class Engine:
         if not isinstance(request, GenerationRequest):
             raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
         r = self.limits.resolve(request, self.defaults, self.images_per_device)
-        plan = self.plan(r)
-        ticket = Ticket(r, self._warnings(r))
-        self._batcher.submit(self._job(ticket, r, plan))
+        prompts = self.prompts(r)
+        plan = self.plan(r, max(p.chunks for p in prompts))
+        notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]
+        ticket = Ticket(r, [note for note in notes if note])
+        self._batcher.submit(self._job(ticket, r, plan, prompts))
         return ticket
 
     def generate(

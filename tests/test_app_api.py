@@ -53,7 +53,7 @@ class FakeEngine:
     def submit(self, request):
         request = self.limits.resolve(request, self.defaults)
         self.calls.append(request)
-        ticket = engine.Ticket(request, ["prompt truncated to 77 tokens"])
+        ticket = engine.Ticket(request, ["prompt: 100 tokens, encoded in 2 chunks of 75"])
         if isinstance(self.error, engine.InvalidRequest | engine.Busy):
             raise self.error
         if self.error is not None:
@@ -180,7 +180,7 @@ def test_the_page_streams_queue_position_previews_then_the_pictures():
     ]
     assert seed == 7
     assert progress.updates == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert "prompt truncated" in info
+    assert "encoded in 2 chunks" in info
 
 
 def test_engine_refusal_and_failure_become_messages():

@@ -53,9 +53,18 @@ def test_progress_reports_every_step(pipe):
     assert {n for _, n in seen} == {4}
 
 
-def test_long_prompts_are_truncated_with_a_warning(pipe):
+def test_long_prompts_are_chunked_and_said_so(pipe):
     result = pipe.generate("red " * 100, num_inference_steps=1)
-    assert any("truncated to 77 tokens" in w for w in result.warnings)
+    assert result.warnings == ["prompt: 100 tokens, encoded in 2 chunks of 75"]
+    assert pipe.generate("red " * 20, num_inference_steps=1).warnings == []
+
+
+def test_prompts_longer_than_the_chunk_limit_are_refused_with_the_budget(pipe):
+    limit = pipe.limits.max_chunks
+    with pytest.raises(InvalidRequest, match=f"negative prompt is too long: .* at most {limit} chunks"):
+        pipe.generate("red", negative_prompt="red " * (75 * limit + 1), num_inference_steps=1)
+    with pytest.raises(InvalidRequest, match=f"^prompt is too long: \\d+ tokens need {limit + 1} chunks"):
+        pipe.generate(" BREAK ".join(["red"] * (limit + 1)), num_inference_steps=1)
 
 
 @pytest.mark.parametrize(

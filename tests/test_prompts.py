@@ -30,17 +30,17 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from engine import schedulers
 from engine.loading import Tokenizer, load_model_folder
-from engine.pipeline import ENCODERS, Plan, decode
+from engine.pipeline import ENCODERS, Plan, decode, encode_prompts
 from engine.prompts import (
     BREAK,
     align,
     apply_emphasis,
-    encode_chunks,
     parse_prompt_attention,
     stack,
     tokenize_chunks,
     tokenize_prompt,
 )
+from engine.serving import Engine
 from tools.tiny_tokenizer import write_tokenizer
 
 TOL = 1e-4
@@ -276,7 +276,7 @@ def test_sd_conditioning_matches_transformers(sd1, name, clip_skip):
     tokenized = tokenize_prompt(loaded.tokenizers, prompt)
     assert tokenized.chunks > 1 or "(" in prompt
     ids, weights = stack([tokenized])
-    got = jax.jit(encode_chunks, static_argnums=(4, 5))(models, ids, weights, {}, sd_plan(clip_skip=clip_skip), False)
+    got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, {}, sd_plan(clip_skip=clip_skip), False)
     want, _ = reference_context([reference.text_encoder], [SKIP_ONE if clip_skip else LAST], tokenized)
     assert got.context.shape == (1, 77 * tokenized.chunks, 32) and got.text_embeds is None
     assert rel_error(got.context[0], want) < TOL
@@ -307,7 +307,7 @@ def test_plain_prompt_conditioning_is_todays_bit_for_bit(sd1, sdxl, family):
     plan = sd_plan(family, batch=2)
     extra = loaded.extra_inputs(plan, "blurry")
     want = jax.jit(ENCODERS[family], static_argnums=(3, 4))(models, today, extra, plan, True)
-    got = jax.jit(encode_chunks, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
+    got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -352,7 +352,7 @@ def test_sdxl_conditioning_matches_transformers(sdxl, prompt):
     ids, weights = stack([tokenized, negative])
     plan = sd_plan("sdxl", batch=2)
     extra = loaded.extra_inputs(plan, "blurry photo")
-    got = jax.jit(encode_chunks, static_argnums=(4, 5))(models, ids, weights, extra, plan, False)
+    got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, False)
     encoders = [reference.text_encoder, reference.text_encoder_2]
     want, pooled = reference_context(encoders, [PENULTIMATE] * 2, tokenized, with_pooled=True)
     assert got.context.shape == (2, 77 * tokenized.chunks, 80)
@@ -369,7 +369,7 @@ def test_sdxl_no_negative_prompt_is_zeros_in_every_chunk(sdxl):
     ids, weights = stack([prompt, tokenize_prompt(loaded.tokenizers, "")])
     plan = sd_plan("sdxl", batch=2)
     extra = loaded.extra_inputs(plan, None)  # no negative prompt: SDXL's zero embeddings
-    got = jax.jit(encode_chunks, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
+    got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
     assert np.all(np.asarray(got.context) == 0) and np.all(np.asarray(got.text_embeds) == 0)
 
 
@@ -406,7 +406,7 @@ def test_pictures_from_a_long_emphasized_prompt_match_diffusers_given_the_refere
     negative = tokenize_prompt(loaded.tokenizers, "(blurry:1.3) photo")
     assert prompt.chunks == 2 and negative.chunks == 1
     plan = sd_plan()
-    encode = jax.jit(encode_chunks, static_argnums=(4, 5))
+    encode = jax.jit(encode_prompts, static_argnums=(4, 5))
     cond, uncond = (
         encode(models, *stack([p], chunks=2), {}, plan, neg) for p, neg in ((prompt, False), (negative, True))
     )
@@ -429,3 +429,22 @@ def test_pictures_from_a_long_emphasized_prompt_match_diffusers_given_the_refere
     assert got.shape == want.shape == (1, 64, 64, 3)
     assert np.abs(got - want).max() < 1e-2
     assert got.std() > 0.01  # a picture, not a constant that would match trivially
+
+    # The engine, from the text: its batcher pads the negative prompt to the prompt's two chunks.
+    engine = Engine(loaded, max_batch_size=1, previews=False)
+    try:
+        result = engine.generate(
+            PROMPTS["long emphasis"],
+            negative_prompt="(blurry:1.3) photo",
+            scheduler="ddim",
+            num_inference_steps=3,
+            guidance_scale=6.0,
+            height=64,
+            width=64,
+            latents=latents,
+        )
+        assert [p.chunks for p in engine.compiled_plans] == [2]
+    finally:
+        engine.close()
+    assert np.abs(result.arrays - want).max() < 1e-2
+    assert result.warnings == [f"prompt: {prompt.token_count} tokens, encoded in 2 chunks of 75"]
