@@ -56,6 +56,9 @@ class Job:
     guidance_scale: float
     latents: np.ndarray | None  # [n, h, w, c] NHWC, or None: drawn from the seeds
     latent_shape: tuple[int, int, int]  # (h, w, c) of one image's latents
+    control: np.ndarray | None = None  # [H, W, 3] in [0, 1]: the control image, with `plan.control`
+    control_scale: float = 1.0  # controlnet_conditioning_scale
+    lora_weights: tuple[float, ...] = ()  # one per loaded LoRA: the batch's merged params depend on them
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     compile_s: float = 0.0
@@ -78,6 +81,11 @@ class Job:
     def failed(self) -> bool:
         return self.ticket.done
 
+    @property
+    def key(self) -> tuple:
+        """What a batch's slots share: the plan (its programs) and the LoRA weights (its merged params)."""
+        return (self.plan, self.lora_weights)
+
 
 @dataclass
 class Batch:
@@ -88,6 +96,8 @@ class Batch:
     occupant: list[tuple[Job, int] | None]  # slot -> (job, image index)
     step: list[int]  # slot -> loop steps done (mirrors the device)
     changes: dict[int, tuple[Job, int] | None] = field(default_factory=dict)  # slot -> new occupant (None: clear)
+    params: object = None  # the params its programs run with (LoRAs merged at the batch's weights)
+    key: tuple = ()  # Job.key of every job in it
 
     def free(self) -> list[int]:
         """Free slots, lowest lane first on every device: requests pack into the narrowest programs."""
@@ -114,8 +124,11 @@ class Batcher:
         max_waiting: int = 256,
         max_live_plans: int = 2,
         preview_every_s: float = 0.3,
+        params_for: Callable[[tuple[float, ...]], object] | None = None,
     ):
+        """`params_for(lora_weights)`: the params a batch with those LoRA weights runs with (default: `params`)."""
         self.programs, self.params, self.devices = programs, params, devices
+        self._params_for = params_for or (lambda weights: params)
         self._blank = blank  # plan -> the job whose row an empty slot holds: no steps to run
         self._lanes = lanes  # the slot axis over the devices
         self.preview = preview
@@ -123,7 +136,7 @@ class Batcher:
         self.preview_every_s = preview_every_s
         self._inbox: deque[Job] = deque()
         self._waiting: list[Job] = []  # scheduler thread only, oldest first
-        self._batches: dict[Plan, Batch] = {}
+        self._batches: dict[tuple, Batch] = {}  # Job.key -> its batch
         self._turn = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -148,7 +161,7 @@ class Batcher:
 
     @property
     def live_plans(self) -> list[Plan]:
-        return list(self._batches)
+        return [key[0] for key in self._batches]
 
     # -- the scheduler thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -205,7 +218,7 @@ class Batcher:
             if job.failed:
                 self._waiting.remove(job)
                 continue
-            batch = self._batches.get(job.plan)
+            batch = self._batches.get(job.key)
             if batch is None:
                 programs = self.programs.get(job.plan)
                 if programs is None:
@@ -213,8 +226,15 @@ class Batcher:
                     continue
                 if len(self._batches) >= self.max_live_plans:
                     break  # wait for a running batch to drain; nobody behind this request jumps ahead
-                batch = Batch(programs, programs.empty(), [None] * job.plan.batch, [0] * job.plan.batch)
-                self._batches[job.plan] = batch
+                empty = [None] * job.plan.batch
+                try:
+                    params = self._params_for(job.lora_weights)
+                except Exception as error:  # this request fails; the others go on
+                    log.exception("merging LoRAs at %s failed", job.lora_weights)
+                    self._fail(job, GenerationFailed(f"merging the LoRAs failed: {type(error).__name__}: {error}"))
+                    continue
+                batch = Batch(programs, programs.empty(), empty, [0] * job.plan.batch, params=params, key=job.key)
+                self._batches[job.key] = batch
             for k in batch.free():
                 if not job.waiting:
                     break
@@ -270,19 +290,20 @@ class Batcher:
 
     def _next_batch(self) -> Batch | None:
         """Round robin over the batches with work whose programs are compiled: each plan gets a chunk in turn."""
-        for plan in [p for p, b in self._batches.items() if not b.busy()]:
-            del self._batches[plan]  # drained: free its device memory and its place among the live plans
+        for key in [k for k, b in self._batches.items() if not b.busy()]:
+            del self._batches[key]  # drained: free its device memory and its place among the live plans
         runnable = []
-        for plan, batch in self._batches.items():
+        for key, batch in self._batches.items():
             if not batch.busy():
                 continue
+            plan = batch.programs.plan
             needed = self._needed(batch)
             ideal = self._ideal(plan, needed)
             if ideal not in batch.programs.lanes:  # wider programs serve meanwhile, if there are any
                 new = [change[0] for change in batch.changes.values() if change is not None]
                 self._ask(plan, ideal, new)
             if batch.programs.fit(needed) is not None:
-                runnable.append(plan)
+                runnable.append(key)
         if not runnable:
             return None
         self._turn = (self._turn + 1) % len(runnable)
@@ -301,7 +322,11 @@ class Batcher:
     def _row(job: Job, index: int) -> dict:
         given = job.latents is not None
         latents = job.latents[index] if given else np.zeros(job.latent_shape, np.float32)
+        control = {}
+        if job.plan.control:
+            control = dict(control=job.control, control_scale=np.float32(job.control_scale))
         return dict(
+            **control,
             ids=job.ids,
             weights=job.weights,
             neg_ids=job.neg_ids,
@@ -325,7 +350,7 @@ class Batcher:
             if batch.changes:
                 admission = jax.device_put(self._admission(batch), self._lanes)
                 program = batch.programs.lanes[self._width(batch, list(batch.changes))].admit
-                batch.slots = program(self.params, batch.slots, admission)
+                batch.slots = program(batch.params, batch.slots, admission)
                 for k, change in batch.changes.items():
                     batch.occupant[k] = change
                     batch.step[k] = 0
@@ -336,7 +361,7 @@ class Batcher:
             left = [batch.occupant[k][0].loop_steps - batch.step[k] for k in occupied]
             n = max(1, min(self.chunk_steps, min(left)))  # end the chunk when the first slot finishes
             program = batch.programs.lanes[self._width(batch, occupied)].advance
-            batch.slots, finite = program(self.params, batch.slots, np.int32(n))
+            batch.slots, finite = program(batch.params, batch.slots, np.int32(n))
             finite = np.asarray(finite)
             self.chunks_run += 1
         except Exception as error:  # this batch's requests fail; the next batch is served
@@ -344,7 +369,7 @@ class Batcher:
             message = GenerationFailed(f"the batch running this request failed: {type(error).__name__}: {error}")
             for job in self._jobs_in(batch):
                 self._fail(job, message)
-            self._batches.pop(plan, None)
+            self._batches.pop(batch.key, None)
             return
         for k in occupied:
             batch.step[k] += n
@@ -398,7 +423,7 @@ class Batcher:
     def _decode(self, batch: Batch, finished: list[int]) -> None:
         width = self._width(batch, finished)
         try:
-            pictures, flagged = batch.programs.lanes[width].decode(self.params, batch.slots.x)
+            pictures, flagged = batch.programs.lanes[width].decode(batch.params, batch.slots.x)
             pictures, flagged = np.asarray(pictures), np.asarray(flagged)
         except Exception as error:
             log.exception("decoding failed")

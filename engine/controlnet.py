@@ -286,3 +286,38 @@ def canny_image(image: Image.Image, low: int = 100, high: int = 200) -> Image.Im
 
     edges = cv2.Canny(np.asarray(image.convert("RGB")), low, high)  # [H, W] uint8, 0 or 255
     return Image.fromarray(np.repeat(edges[:, :, None], 3, axis=2))
+
+
+# The UNet fields that a ControlNet's residuals must agree with, one per skip connection and the mid block.
+MATCHING_FIELDS = (
+    "in_channels",
+    "block_out_channels",
+    "layers_per_block",
+    "down_block_types",
+    "cross_attention_dim",
+    "addition_embed_type",
+)
+
+
+def attach_controlnet(model, controlnet: LoadedControlNet):
+    """`model` (a `loading.LoadedModel`) with the ControlNet as `Models.controlnet`, in its one param tree:
+    replicated, merged and split with the rest. Refuses a ControlNet made for another UNet layout, by field."""
+    ours, theirs = model.unet_config, controlnet.config.unet
+
+    def value(cfg: UNetConfig, name: str):
+        return cfg.per_block(name) if name in ("cross_attention_dim", "layers_per_block") else getattr(cfg, name)
+
+    wrong = [
+        f"{name} {value(theirs, name)!r} (the UNet's: {value(ours, name)!r})"
+        for name in MATCHING_FIELDS
+        if value(theirs, name) != value(ours, name)
+    ]
+    if wrong:
+        raise SourceError(
+            f"ControlNet {controlnet.name} does not fit the model {model.name}: {'; '.join(wrong)}. "
+            "Is it a ControlNet for another model family (SD 1.x, SD 2.x, SDXL)?"
+        )
+    models = nnx.merge(model.graphdef, model.params)  # host arrays stay host arrays
+    models.controlnet = nnx.data(nnx.merge(controlnet.graphdef, controlnet.params))  # None until now: static
+    graphdef, params = nnx.split(models)
+    return dataclasses.replace(model, graphdef=graphdef, params=params, controlnet=controlnet.name)

@@ -84,6 +84,7 @@ class LoadedModel:
     max_clip_skip: int = 0
     # The family's per-image inputs besides token ids, from the plan and the negative prompt (None: none at all).
     extra_inputs: Callable[[Plan, str | None], dict] = lambda plan, negative_prompt: {}
+    controlnet: str | None = None  # the ControlNet's source, when one is attached (`controlnet.attach_controlnet`)
 
     @property
     def vae_scale_factor(self) -> int:

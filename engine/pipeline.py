@@ -32,12 +32,18 @@ class Models(nnx.Module):
     """Every network of a pipeline in one module, so that one `nnx.split` gives one param tree."""
 
     def __init__(
-        self, text_encoder: CLIPTextModel, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder_2=None
+        self,
+        text_encoder: CLIPTextModel,
+        unet: UNet2DConditionModel,
+        vae: AutoencoderKL,
+        text_encoder_2=None,
+        controlnet=None,
     ):
         self.text_encoder = text_encoder
         self.text_encoder_2 = text_encoder_2
         self.unet = unet
         self.vae = vae
+        self.controlnet = controlnet  # engine.controlnet.ControlNetModel, when the server loaded one
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Plan:
     clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
     chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
+    control: bool = False  # the ControlNet runs beside the UNet; each slot brings a control image
 
     @property
     def slots_per_device(self) -> int:
@@ -191,6 +198,9 @@ class Admission:
     seeds: jax.Array  # [batch] uint32
     guidance_scale: jax.Array  # [batch] f32
     tables: schedulers.Tables  # every array with a leading [batch] axis
+    # With `plan.control`: each slot's control image [batch, H, W, 3] in [0, 1] at pixel size, and its scale.
+    control: jax.Array | None = None
+    control_scale: jax.Array | None = None  # [batch] f32
 
 
 @jax.tree_util.register_dataclass
@@ -210,6 +220,8 @@ class Slots:
     seeds: jax.Array  # [batch] uint32
     guidance_scale: jax.Array  # [batch] f32
     cond: Conditioning
+    control: jax.Array | None = None  # [batch, H, W, 3] with `plan.control`, else None
+    control_scale: jax.Array | None = None  # [batch] f32
 
 
 def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -228,7 +240,7 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     x = noise * new.tables.init_noise_sigma[:, None, None, None]
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
-    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond)
+    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond, new.control, new.control_scale)
 
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
@@ -269,7 +281,9 @@ def advance(
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
         if plan.guidance:
             model_in, timesteps = _pair(model_in, model_in), _pair(timesteps, timesteps)
-        out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids).astype(jnp.float32)
+        residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)
+        out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids, *residuals)
+        out = out.astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
             g = slots.guidance_scale[:, None, None, None]
@@ -287,6 +301,20 @@ def advance(
     x, state, step = jax.lax.fori_loop(0, num_steps, body, (slots.x, slots.state, slots.step))
     slots = put_lanes(full, dataclasses.replace(slots, x=x, state=state, step=step), plan, lanes)
     return slots, jnp.all(jnp.isfinite(slots.x), axis=(1, 2, 3))
+
+
+def _control_residuals(
+    plan: Plan, models: Models, slots: Slots, model_in: jax.Array, timesteps: jax.Array, cond: Conditioning
+) -> tuple:
+    """The ControlNet's (down, mid) residuals for the UNet batch, as `StableDiffusionControlNetPipeline` adds
+    them (guess_mode off, control_guidance_start/end 0 and 1: every step, both guidance halves); () without one.
+    """
+    if not plan.control:
+        return ()
+    image, scale = slots.control, slots.control_scale
+    if plan.guidance:  # the same picture and scale for both halves of each slot's pair
+        image, scale = _pair(image, image), _pair(scale, scale)
+    return models.controlnet(model_in, timesteps, cond.context, image, scale, cond.text_embeds, cond.time_ids)
 
 
 def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,11 +46,22 @@ class GenerationRequest:
     scheduler: str | None = None
     clip_skip: int = 0  # read the text encoder this many layers before its last
     latents: np.ndarray | None = field(default=None, compare=False, repr=False)  # [n, c, h/8, w/8] NCHW noise
+    # ControlNet (a server started with one): the picture that steers every image, resized to the request's size.
+    control_image: Image.Image | None = field(default=None, compare=False, repr=False)
+    controlnet_conditioning_scale: float = 1.0  # the ControlNet's residuals are multiplied by this
+    # The server's LoRAs by name -> weight; a loaded LoRA left out keeps weight 1.0, as after diffusers'
+    # `load_lora_weights`; 0 turns one off. `Limits.resolve` fills in every name.
+    lora_scales: Mapping[str, float] | None = field(default=None, hash=False)
 
     @property
     def guided(self) -> bool:
         """Guidance at scale <= 1 changes nothing, so the unconditional half is not computed at all."""
         return float(self.guidance_scale) > 1.0
+
+    @property
+    def controlled(self) -> bool:
+        """A control picture came with the request: the ControlNet steers it (a static part of the plan)."""
+        return self.control_image is not None
 
     def image_seeds(self) -> list[int]:
         return [(int(self.seed) + k) % SEED_LIMIT for k in range(int(self.num_images))]
@@ -98,6 +110,10 @@ class Limits:
     max_images_per_device: int = 8
     max_prompt_chars: int = 2000  # stops absurd payloads before tokenizing; `max_chunks` is the real bound
     max_chunks: int = 4  # 75-token chunks of a prompt (300 tokens): each count is a context length to compile
+    control: bool = False  # the server loaded a ControlNet: requests may bring a control image
+    control_scale_range: tuple[float, float] = (0.0, 2.0)
+    loras: tuple[str, ...] = ()  # the names of the LoRAs the server loaded
+    lora_scale_range: tuple[float, float] = (-2.0, 2.0)  # negative weights push away from a LoRA's style
 
     @property
     def min_side(self) -> int:
@@ -112,6 +128,8 @@ class Limits:
         }
         if request.num_images is None:
             fill["num_images"] = self.devices * images_per_device
+        if self.loras and (request.lora_scales is None or isinstance(request.lora_scales, Mapping)):
+            fill["lora_scales"] = {**dict.fromkeys(self.loras, 1.0), **(request.lora_scales or {})}
         request = dataclasses.replace(request, **fill) if fill else request
         self.check(request)
         return request
@@ -151,6 +169,38 @@ class Limits:
             raise InvalidRequest(
                 f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
             )
+        self._check_adapters(r)
+
+    def _check_adapters(self, r: GenerationRequest) -> None:
+        """The ControlNet's and the LoRAs' inputs: only what the server loaded, in range."""
+        if r.control_image is not None:
+            if not self.control:
+                raise InvalidRequest(
+                    "this server was started without a ControlNet (app.py --controlnet FOLDER_OR_HUB_ID); "
+                    "send no control image"
+                )
+            if not isinstance(r.control_image, Image.Image):
+                raise InvalidRequest(
+                    f"control_image must be a picture (PIL.Image), got {type(r.control_image).__name__}"
+                )
+        low, high = self.control_scale_range
+        scale = r.controlnet_conditioning_scale
+        if not _number(scale) or not math.isfinite(scale) or not low <= scale <= high:
+            raise InvalidRequest(
+                f"controlnet_conditioning_scale must be a number from {low:g} to {high:g}, got {scale!r}"
+            )
+        if r.lora_scales is None:
+            return
+        if not isinstance(r.lora_scales, Mapping):
+            raise InvalidRequest(f"lora_scales must map LoRA names to weights, got {type(r.lora_scales).__name__}")
+        unknown = [name for name in r.lora_scales if name not in self.loras]
+        if unknown:
+            loaded = f"this server loaded: {', '.join(self.loras)}" if self.loras else "this server loaded none"
+            raise InvalidRequest(f"unknown LoRA {', '.join(map(repr, unknown))}; {loaded} (app.py --lora NAME=PATH)")
+        low, high = self.lora_scale_range
+        for name, weight in r.lora_scales.items():
+            if not _number(weight) or not math.isfinite(weight) or not low <= weight <= high:
+                raise InvalidRequest(f"LoRA {name!r} weight must be a number from {low:g} to {high:g}, got {weight!r}")
 
     def check_chunks(self, chunks: int, tokens: int, what: str = "prompt") -> None:
         """A tokenized prompt's length: more chunks than `max_chunks` is refused with the token budget."""

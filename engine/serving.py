@@ -25,7 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from . import schedulers
 from .batcher import Batcher, Job
+from .controlnet import attach_controlnet, canny_image, control_image_array, load_controlnet
 from .loading import FAMILY_MAX_SIDE, LoadedModel, load_model_folder
+from .lora import LoRAFactors, load_lora, lora_factors
+from .lora_serving import ServedLoRAs
 from .pipeline import Admission, Plan
 from .preview import PreviewMap, fit_preview
 from .programs import Programs, lane_widths
@@ -81,6 +84,7 @@ class Engine:
         max_live_plans: int = 2,
         previews: bool = True,
         safety=None,
+        loras: dict[str, LoRAFactors] | None = None,
     ):
         """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
         None for any size in range. `max_batch_size` is rounded up to a multiple of the device count."""
@@ -98,6 +102,8 @@ class Engine:
         self._lanes = NamedSharding(self.mesh, P("data"))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
+        self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
+        self.controlnet = model.controlnet  # its source, or None
         self.defaults = dict(model.defaults)
         factor = model.vae_scale_factor
         self.limits = Limits(
@@ -106,6 +112,8 @@ class Engine:
             max_side=FAMILY_MAX_SIDE[model.family],
             max_clip_skip=model.max_clip_skip,
             devices=n,
+            control=model.controlnet is not None,
+            loras=self.loras.names,
         )
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
@@ -144,6 +152,7 @@ class Engine:
             max_waiting=max_waiting,
             max_live_plans=max_live_plans,
             preview=self.preview,
+            params_for=lambda weights: self.loras.params(self.params, weights),
         )
         # The scheduler thread must not be mid-call into JAX while the interpreter shuts down.
         atexit.register(_close_if_alive, weakref.ref(self))
@@ -197,6 +206,7 @@ class Engine:
             clip_skip=int(r.clip_skip),
             chunks=chunks,
             devices=len(self._devices),
+            control=r.controlled,
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
@@ -230,7 +240,24 @@ class Engine:
             guidance_scale=float(r.guidance_scale),
             latents=latents,
             latent_shape=self._latent_shape(plan),
+            control=self._control_image(r, plan),
+            control_scale=float(r.controlnet_conditioning_scale),
+            lora_weights=self.loras.weights(r.lora_scales),
         )
+
+    def _control_image(self, r: GenerationRequest, plan: Plan) -> np.ndarray | None:
+        """[H, W, 3] in [0, 1], as the ControlNet pipeline preprocesses it; black for an empty slot."""
+        if not plan.control:
+            return None
+        factor = self.model.vae_scale_factor
+        height, width = plan.latent_height * factor, plan.latent_width * factor
+        if r.control_image is None:
+            return np.zeros((height, width, 3), np.float32)
+        return control_image_array(r.control_image, height, width)[0]
+
+    def canny_image(self, image, low: int = 100, high: int = 200):
+        """The Canny edge map of a picture (white edges on black), the usual control image: for the page."""
+        return canny_image(image, low, high)
 
     def _blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
@@ -267,6 +294,7 @@ class Engine:
             seeds=np.zeros(b, np.uint32),
             guidance_scale=np.zeros(b, np.float32),
             tables=jax.tree.map(stack, row.tables),
+            **(dict(control=stack(row.control), control_scale=np.zeros(b, np.float32)) if plan.control else {}),
         )
 
     def submit(self, request: GenerationRequest) -> Ticket:
@@ -295,8 +323,14 @@ class Engine:
         latents: np.ndarray | None = None,
         progress: Callable[[int, int], None] | None = None,
         clip_skip: int = 0,
+        control_image=None,
+        controlnet_conditioning_scale: float = 1.0,
+        lora_scales: dict[str, float] | None = None,
     ) -> GenerationResult:
-        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early."""
+        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early.
+
+        `control_image` (a PIL picture; a server with a ControlNet) steers every image, its residuals scaled by
+        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0)."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -309,6 +343,9 @@ class Engine:
             scheduler=scheduler,
             clip_skip=clip_skip,
             latents=latents,
+            control_image=control_image,
+            controlnet_conditioning_scale=controlnet_conditioning_scale,
+            lora_scales=lora_scales,
         )
         ticket = self.submit(request)
         if progress is not None:
@@ -374,22 +411,31 @@ def load_pipeline(
     images_per_device: int = 1,
     devices: list[jax.Device] | None = None,
     safety_checker: bool = True,
+    controlnet: str | os.PathLike | None = None,
+    loras: dict[str, str | os.PathLike] | None = None,
     **serving,
 ) -> Engine:
     """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
 
     `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
     repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
-    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews).
+    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews). `controlnet`: a diffusers-format
+    ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`: name ->
+    LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
     """
     dtype = dtype or default_dtype()
     model = load_model_folder(source, dtype)
+    if controlnet is not None:
+        model = attach_controlnet(model, load_controlnet(controlnet, dtype))
+    factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     checker = None
     if safety_checker:
         from .safety import load_safety_checker
 
         checker = load_safety_checker(source, dtype)
-    engine = Engine(model, devices=devices, images_per_device=images_per_device, safety=checker, **serving)
+    engine = Engine(
+        model, devices=devices, images_per_device=images_per_device, safety=checker, loras=factors, **serving
+    )
     if not safety_checker:
         engine.safety_mode = "off"
     return engine
