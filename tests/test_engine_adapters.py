@@ -2,13 +2,15 @@
 
 One tiny SD 1.x folder (tests/tiny_pipeline.py), a tiny random ControlNet made from its UNet, and the two
 LoRA files of tests/test_lora.py (diffusers/PEFT and kohya layouts, UNet and text encoder). One engine
-loads all three: requests with a control image run the ControlNet plan against
-`StableDiffusionControlNetPipeline`, requests without one the plain plan against `StableDiffusionPipeline`
-with `load_lora_weights` + `set_adapters`. Same latents, f32, DDIM with guidance: max abs pixel difference
-below 1e-2 on 0..1. New conditioning scales and LoRA weights compile nothing (counted).
+loads all three and `StableDiffusionControlNetPipeline` runs the same folder, with `load_lora_weights` +
+`set_adapters` for the LoRAs (which adapt the UNet and the text encoder, not the ControlNet, on both sides).
+Every picture shares one plan, so the suite compiles once. Same latents, f32, DDIM with guidance: max abs
+pixel difference below 1e-2 on 0..1. New conditioning scales and LoRA weights compile nothing (counted).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from PIL import Image
 from reference import randomize
 from test_lora import write_loras
 
-from engine import InvalidRequest, load_pipeline
+from engine import GenerationRequest, InvalidRequest, Ticket, load_pipeline
 from engine.lora import LoRAError
 
 SIZE, STEPS, GUIDANCE = 64, 3, 6.0
@@ -39,7 +41,8 @@ def setup(tmp_path_factory):
     controlnet.save_pretrained(root / "controlnet")
     files = write_loras(pipe, root, ("text_encoder",))
     ours = load_pipeline(root / "model", controlnet=root / "controlnet", loras=files, max_batch_size=2)
-    yield pipe, controlnet, ours, files, root
+    control = StableDiffusionControlNetPipeline(**{**pipe.components, "controlnet": controlnet})
+    yield control, ours, files, root
     ours.close()
 
 
@@ -87,8 +90,7 @@ def reference(pipe, **kwargs) -> np.ndarray:
 
 
 def test_controlnet_pictures_match_diffusers_at_two_scales(setup):
-    pipe, controlnet, ours, _, _ = setup
-    control = StableDiffusionControlNetPipeline(**{**pipe.components, "controlnet": controlnet})
+    control, ours, _, _ = setup
     off = {"peft": 0.0, "kohya": 0.0}  # the plain model's weights, as diffusers' ControlNet pipeline has them
     first = generate(ours, control_image=control_picture(), controlnet_conditioning_scale=0.5, lora_scales=off)
     compiled = ours.compile_count
@@ -108,21 +110,21 @@ def test_controlnet_pictures_match_diffusers_at_two_scales(setup):
 
 @pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # PEFT's note on a second adapter
 def test_two_loras_match_diffusers_at_two_weights_without_recompiling(setup):
-    """Both layouts at once; and a request without a control image on a ControlNet server is plain txt2img."""
-    pipe, _, ours, files, _ = setup
+    """Both layouts at once, each adapting the UNet and the text encoder."""
+    pipe, ours, files, _ = setup
     weights = [(0.8, 0.5), (1.3, -0.6)]
-    got = [generate(ours, lora_scales={"peft": a, "kohya": b}) for a, b in weights[:1]]
+    got = [generate(ours, control_image=control_picture(), lora_scales=dict(peft=a, kohya=b)) for a, b in weights[:1]]
     compiled = ours.compile_count
-    got += [generate(ours, lora_scales={"peft": a, "kohya": b}) for a, b in weights[1:]]
+    got += [generate(ours, control_image=control_picture(), lora_scales=dict(peft=a, kohya=b)) for a, b in weights[1:]]
     assert ours.compile_count == compiled and not got[-1].compiled
-    assert ours.loras.merges_compiled == 1
-    plain = reference(pipe)
+    assert ours.loras.merges_compiled == 1  # one merging program for any weights
+    plain = reference(pipe, image=control_picture())
     for name, path in files.items():
         pipe.load_lora_weights(path, adapter_name=name)
     try:
         for (a, b), result in zip(weights, got, strict=True):
             pipe.set_adapters(["peft", "kohya"], [a, b])
-            want = reference(pipe)
+            want = reference(pipe, image=control_picture())
             assert np.abs(want - plain).max() > 5e-2  # the LoRAs do change the picture
             assert np.abs(result.arrays - want).max() < TOLERANCE, (a, b)
     finally:
@@ -131,13 +133,22 @@ def test_two_loras_match_diffusers_at_two_weights_without_recompiling(setup):
 
 
 def test_a_loaded_lora_left_out_keeps_weight_one(setup):
-    _, _, ours, _, _ = setup
+    _, ours, _, _ = setup
     compiled = ours.compile_count
-    left_out = generate(ours, lora_scales={"peft": 0.8})
-    named = generate(ours, lora_scales={"peft": 0.8, "kohya": 1.0})
+    left_out = generate(ours, control_image=control_picture(), lora_scales={"peft": 0.8})
+    named = generate(ours, control_image=control_picture(), lora_scales={"peft": 0.8, "kohya": 1.0})
     assert left_out.request.lora_scales == {"peft": 0.8, "kohya": 1.0}
     np.testing.assert_array_equal(left_out.arrays, named.arrays)
-    assert ours.compile_count == compiled
+    assert ours.compile_count == compiled == 1  # every picture of this file: one plan
+
+
+def test_without_a_control_image_the_controlnet_stays_out_of_the_plan(setup):
+    """On a server with a ControlNet, a request without a control image is plain text-to-image."""
+    _, ours, _, _ = setup
+    request = ours.limits.resolve(GenerationRequest(PROMPT, height=SIZE, width=SIZE), ours.defaults)
+    with_image = dataclasses.replace(request, control_image=control_picture())
+    assert not ours.plan(request).control and ours.plan(with_image).control
+    assert ours._job(Ticket(request, []), request, ours.plan(request)).control is None
 
 
 @pytest.mark.parametrize(
@@ -152,11 +163,11 @@ def test_a_loaded_lora_left_out_keeps_weight_one(setup):
 )
 def test_bad_adapter_inputs_get_a_clear_error(setup, kwargs, message):
     with pytest.raises(InvalidRequest, match=message):
-        generate(setup[2], **kwargs)
+        generate(setup[1], **kwargs)
 
 
 def test_a_server_without_adapters_refuses_their_inputs(setup, tmp_path):
-    _, _, _, files, root = setup
+    _, _, files, root = setup
     plain = load_pipeline(root / "model", previews=False)
     try:
         with pytest.raises(InvalidRequest, match=r"started without a ControlNet \(app.py --controlnet"):
@@ -168,7 +179,7 @@ def test_a_server_without_adapters_refuses_their_inputs(setup, tmp_path):
 
 
 def test_loras_and_controlnets_for_another_model_are_refused_at_load(setup, tmp_path):
-    _, _, _, files, root = setup
+    _, _, files, root = setup
     other = tiny_pipeline.write("sd2v", tmp_path / "sd2")  # SD 2.x layout: other widths, linear projections
     with pytest.raises(LoRAError, match=r"LoRA .*peft.safetensors: its tensors do not fit this model"):
         load_pipeline(tmp_path / "sd2", loras={"peft": files["peft"]}, previews=False)
