@@ -57,6 +57,17 @@ _OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model
 _ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model")
 
 
+def _adapter_entries(request: GenerationRequest) -> dict[str, str]:
+    """The LoRAs' weights and the ControlNet's scale, as text entries (the prompt stays as typed, with no
+    A1111 `<lora:name:w>` tags; A1111's `Lora hashes` needs file hashes, which the request does not carry)."""
+    extra = {}
+    if request.lora_scales:
+        extra["Lora weights"] = ", ".join(f"{name}: {weight:g}" for name, weight in request.lora_scales.items())
+    if request.control_image is not None:
+        extra["ControlNet weight"] = f"{request.controlnet_conditioning_scale:g}"
+    return extra
+
+
 @dataclass(frozen=True)
 class GenerationParameters:
     """One picture's recipe, named as `GenerationRequest` names it. None: not recorded."""
@@ -93,6 +104,7 @@ class GenerationParameters:
             height=request.height,
             model=model,
             clip_skip=request.clip_skip,
+            extra=_adapter_entries(request),
         )
 
     def request_fields(self) -> dict[str, Any]:
