@@ -7,6 +7,7 @@ touches the model lives in `engine/`. The model comes from the server's configur
 
     python app.py                                   # embedded default model, 127.0.0.1:7860
     python app.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --host 0.0.0.0
+    python app.py --model FOLDER --controlnet lllyasviel/sd-controlnet-canny --lora style=style.safetensors
 """
 
 from __future__ import annotations
@@ -78,9 +79,14 @@ def model_summary(pipe: Any) -> str:
         "off": "safety checker off (--no-safety-checker)",
         "none": "this model ships no safety checker: pictures are not filtered",
     }[getattr(pipe, "safety_mode", "none")]
+    adapters = ""
+    if getattr(pipe, "controlnet", None):
+        adapters += f" · ControlNet `{pipe.controlnet}`"
+    if getattr(pipe.limits, "loras", ()):
+        adapters += f" · LoRAs: {', '.join(pipe.limits.loras)}"
     return (
         f"**{family}** · defaults: {d['width']}×{d['height']}, {d['num_inference_steps']} steps, "
-        f"guidance {d['guidance_scale']:g}, {d['scheduler']} · {safety}"
+        f"guidance {d['guidance_scale']:g}, {d['scheduler']} · {safety}{adapters}"
     )
 
 
@@ -145,8 +151,10 @@ def parse_request(
     scheduler: Any,
     size: Any,
     images_per_device: Any,
+    **adapters: Any,
 ) -> engine.GenerationRequest:
-    """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges."""
+    """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
+    `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional."""
     prompt = _as_text(prompt, "Prompt")
     if not prompt:
         raise _refuse("Type a prompt first.")
@@ -169,7 +177,91 @@ def parse_request(
         width=width,
         height=height,
         num_images=per_device * len(pipe.devices),
+        **adapter_fields(pipe, **adapters),
     )
+
+
+# ---- ControlNet and LoRA: their controls, shown when the server loaded them ---------------------
+
+ADAPTER_INPUTS = ("control_image", "canny_edges", "controlnet_conditioning_scale", "lora_scales")
+
+
+def _as_picture(value: Any) -> Image.Image | None:
+    """An uploaded picture as the handler receives it (Gradio's file data, unprocessed), or a PIL picture."""
+    if value is None or isinstance(value, Image.Image):
+        return value
+    path = value.get("path") if isinstance(value, dict) else None
+    if not path:
+        raise _refuse("The control picture must be an uploaded image.")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except OSError:
+        raise _refuse("The control picture could not be read as an image.") from None
+
+
+def adapter_fields(
+    pipe: Any,
+    control_image: Any = None,
+    canny_edges: Any = False,
+    controlnet_conditioning_scale: Any = 1.0,
+    lora_scales: Any = None,
+) -> dict[str, Any]:
+    """The request's ControlNet and LoRA fields; the Canny edge map, when asked for, is the engine's."""
+    picture = _as_picture(control_image)
+    if picture is not None and _as_bool(canny_edges):
+        picture = pipe.canny_image(picture)
+    fields = {"control_image": picture}
+    if controlnet_conditioning_scale is not None:
+        fields["controlnet_conditioning_scale"] = _as_float(controlnet_conditioning_scale, "Conditioning scale")
+    if lora_scales:
+        if not isinstance(lora_scales, dict):
+            raise _refuse("LoRA weights must map each LoRA's name to its weight.")
+        fields["lora_scales"] = {name: _as_float(w, f"LoRA {name} weight") for name, w in lora_scales.items()}
+    return fields
+
+
+def control_preview(pipe: Any, picture: Image.Image | None, canny: bool) -> Image.Image | None:
+    """What the ControlNet will see: the picture, or its Canny edge map."""
+    if picture is None:
+        return None
+    return pipe.canny_image(picture) if canny else picture
+
+
+def adapter_controls(pipe: Any) -> list:
+    """The ControlNet's and the LoRAs' controls (hidden when the server loaded none); returns the inputs
+    of `ADAPTER_INPUTS`, in order. LoRA sliders write their weights into one value, the API's `lora_scales`."""
+    limits = pipe.limits
+    control = getattr(limits, "control", False)
+    loras = tuple(getattr(limits, "loras", ()))
+    with gr.Accordion("ControlNet: steer the picture with a control picture", open=True, visible=control):
+        with gr.Row():
+            picture = gr.Image(
+                label="Control picture",
+                type="pil",
+                sources=["upload", "clipboard"],
+                elem_id="control-image",
+                height=200,
+            )
+            shown = gr.Image(label="What the ControlNet sees", interactive=False, elem_id="control-preview", height=200)
+        canny = gr.Checkbox(label="Canny edges (use the picture's edge map)", value=False, elem_id="canny")
+        scale = gr.Slider(
+            *limits.control_scale_range, value=1.0, step=0.05, label="Conditioning scale", elem_id="control-scale"
+        )
+    for event in (picture.change, canny.change):
+        event(
+            lambda p, c: control_preview(pipe, p, c), [picture, canny], [shown], api_visibility="private", queue=False
+        )
+    weights = gr.JSON(dict.fromkeys(loras, 1.0), visible=False, elem_id="lora-scales")
+    with gr.Accordion("LoRAs loaded by the server", open=True, visible=bool(loras)):
+        sliders = [
+            gr.Slider(*limits.lora_scale_range, value=1.0, step=0.05, label=f"LoRA {name} weight") for name in loras
+        ]
+    for slider in sliders:
+        slider.change(
+            lambda *w: dict(zip(loras, w, strict=True)), sliders, [weights], api_visibility="private", queue=False
+        )
+    return [picture, canny, scale, weights]
 
 
 # ---- one generation, streamed ----------------------------------------------------------------
@@ -364,6 +456,10 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         scheduler,
         size,
         images_per_device,
+        control_image=None,
+        canny_edges=False,
+        controlnet_conditioning_scale=1.0,
+        lora_scales=None,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
         """Draws pictures with Stable Diffusion from a text prompt.
@@ -378,6 +474,10 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             scheduler: the sampler: pndm, ddim, euler, euler_a, dpm++2m or dpm++2m_karras.
             size: WIDTHxHEIGHT in pixels, one of the sizes the server offers.
             images_per_device: pictures per device; the server has one or more devices.
+            control_image: a picture that steers the drawing (servers started with --controlnet only).
+            canny_edges: steer with the control picture's Canny edge map rather than the picture itself.
+            controlnet_conditioning_scale: how strongly the control picture steers, 0 to 2.
+            lora_scales: the server's LoRAs by name -> weight (a LoRA left out keeps 1.0).
 
         Returns:
             the pictures with "device · seed" captions, the seed used, and a line of details.
@@ -392,6 +492,10 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             "scheduler": scheduler,
             "size": size,
             "images_per_device": images_per_device,
+            "control_image": control_image,
+            "canny_edges": canny_edges,
+            "controlnet_conditioning_scale": controlnet_conditioning_scale,
+            "lora_scales": lora_scales,
         }
         async for update in run_generation(pipe, raw, progress):
             yield update
@@ -435,6 +539,7 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                         step=1,
                         label=f"Images per device ({n} device{'s' if n != 1 else ''})",
                     )
+                adapters = adapter_controls(pipe)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
                     dropped = gr.File(file_types=[".png"], type="filepath", show_label=False, elem_id="pnginfo")
@@ -473,6 +578,7 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         )
 
         inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
+        inputs += adapters
         # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
         # caller sending a bad value gets the same readable message as the page. Many requests run at
         # once: the engine batches them on the devices; Gradio's queue holds the rest.
@@ -606,7 +712,29 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="do not run the model's own safety checker (for local use; a public page should keep it)",
     )
+    parser.add_argument(
+        "--controlnet",
+        default=os.environ.get("JAX_SD_CONTROLNET") or None,
+        help="a diffusers-format ControlNet folder or Hub id for the model (env JAX_SD_CONTROLNET); the page "
+        "then takes a control picture",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a LoRA (.safetensors file, folder or Hub id) under a name; repeat for several. The page shows a "
+        "weight slider for each",
+    )
     args = parser.parse_args(argv)
+    loras = {}
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            parser.error(f"--lora {item!r} is not NAME=PATH")
+        if name.strip() in loras:
+            parser.error(f"--lora: the name {name.strip()!r} is given twice")
+        loras[name.strip()] = path.strip()
     if not 1 <= args.images_per_device <= MAX_IMAGES_PER_DEVICE:
         parser.error(f"--images-per-device must be from 1 to {MAX_IMAGES_PER_DEVICE}")
     if args.queue_size < 1:
@@ -631,7 +759,12 @@ def main(argv: list[str] | None = None) -> None:
     engine.enable_compile_cache()
     started = time.perf_counter()
     pipe = engine.load_pipeline(
-        args.model, max_batch_size=args.max_batch_size, sizes=sizes, safety_checker=not args.no_safety_checker
+        args.model,
+        max_batch_size=args.max_batch_size,
+        sizes=sizes,
+        safety_checker=not args.no_safety_checker,
+        controlnet=args.controlnet,
+        loras=loras,
     )
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))

@@ -8,6 +8,7 @@ user's script would.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from typing import Any
@@ -474,3 +475,58 @@ def test_a_picture_without_a_recipe_changes_nothing(tmp_path):
     Image.new("RGB", (8, 8)).save(picture)
     *form, random_seed, note = app.read_png_info(FakeEngine(), str(picture))
     assert "carries no generation parameters" in note
+
+
+ADAPTER_LABELS = ("Control picture", "Conditioning scale", "LoRA style weight", "LoRA detail weight")
+
+
+class AdapterEngine(FakeEngine):
+    """A server started with a ControlNet and two LoRAs."""
+
+    controlnet = "tiny-controlnet"
+    limits = dataclasses.replace(FakeEngine.limits, control=True, loras=("style", "detail"))
+
+    def canny_image(self, image):
+        return image.convert("L").convert("RGB")  # a stand-in: the real edge map is the engine's (tested there)
+
+
+def test_the_page_shows_controlnet_and_lora_controls_only_when_the_server_loaded_them():
+    def shown(pipe) -> dict[str, bool]:
+        """Each control's label -> whether its accordion shows (a hidden accordion hides its children)."""
+        components = app.create_demo(pipe).config["components"]
+        accordions = {c["props"].get("label", "").split(":")[0].split(" ")[0]: c for c in components}
+        return {
+            label: label in {c["props"].get("label") for c in components}
+            and accordions["ControlNet" if label in ADAPTER_LABELS[:2] else "LoRAs"]["props"].get("visible")
+            is not False
+            for label in ADAPTER_LABELS
+        }
+
+    assert shown(AdapterEngine()) == dict.fromkeys(ADAPTER_LABELS, True)
+    assert not any(shown(FakeEngine()).values())
+    api = app.create_demo(AdapterEngine()).get_api_info()["named_endpoints"]["/generate"]["parameters"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in api}
+    assert defaults["lora_scales"] == {"style": 1.0, "detail": 1.0} and defaults["control_image"] is None
+    assert defaults["canny_edges"] is False and defaults["controlnet_conditioning_scale"] == 1.0
+
+
+def test_control_picture_canny_and_lora_weights_reach_the_request(tmp_path):
+    pipe = AdapterEngine()
+    picture = Image.new("RGB", (40, 30), (200, 30, 30))
+    picture.save(tmp_path / "control.png")
+    upload = {"path": str(tmp_path / "control.png"), "meta": {"_type": "gradio.FileData"}}
+    values = page_values(control_image=upload, canny_edges=True, controlnet_conditioning_scale=0.6)
+    run(pipe, {**values, "lora_scales": {"style": 0.4}})
+    request = pipe.calls[0]
+    assert request.control_image.size == (40, 30) and request.control_image.getpixel((0, 0)) == (
+        81,
+        81,
+        81,
+    )  # grey: the stand-in edge map
+    assert request.controlnet_conditioning_scale == 0.6 and request.lora_scales == {"style": 0.4, "detail": 1.0}
+    run(pipe, page_values())  # an old API call: none of the new inputs
+    assert pipe.calls[1].control_image is None and pipe.calls[1].lora_scales == {"style": 1.0, "detail": 1.0}
+    with pytest.raises(gr.Error, match="unknown LoRA 'colour'; this server loaded: style, detail"):
+        run(pipe, page_values(lora_scales={"colour": 1.0}))
+    with pytest.raises(gr.Error, match="started without a ControlNet"):
+        run(FakeEngine(), page_values(control_image=upload))
