@@ -186,3 +186,55 @@ def test_loras_and_controlnets_for_another_model_are_refused_at_load(setup, tmp_
     del other
     with pytest.raises(Exception, match=r"ControlNet .* does not fit the model .*cross_attention_dim"):
         load_pipeline(tmp_path / "sd2", controlnet=root / "controlnet", previews=False)
+
+
+@pytest.mark.slow
+def test_the_page_takes_a_control_picture_through_its_api(setup, tmp_path):
+    """The real page on this engine, in this process: a gradio_client call with a control picture (Canny
+    edges on) draws what the engine draws from the picture's edge map. The same plan: nothing compiles."""
+    from _app_server import free_port
+    from gradio_client import Client, handle_file
+
+    import app
+
+    _, ours, _, _ = setup
+    control_picture().save(tmp_path / "control.png")
+    demo = app.create_demo(ours)
+    demo.queue().launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(demo.local_url, verbose=False, download_files=str(tmp_path / "downloads"))
+        gallery, seed, _ = client.predict(
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            seed=11,
+            random_seed=False,
+            steps=STEPS,
+            guidance_scale=GUIDANCE,
+            scheduler="ddim",
+            size=f"{SIZE}x{SIZE}",
+            images_per_device=1,
+            control_image=handle_file(str(tmp_path / "control.png")),
+            canny_edges=True,
+            controlnet_conditioning_scale=0.7,
+            lora_scales={"peft": 0.5, "kohya": 0.0},
+            api_name="/generate",
+        )
+    finally:
+        demo.close()
+    want = ours.generate(
+        PROMPT,
+        negative_prompt=NEGATIVE,
+        seed=11,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        height=SIZE,
+        width=SIZE,
+        num_images=1,
+        scheduler="ddim",
+        control_image=ours.canny_image(Image.open(tmp_path / "control.png")),
+        controlnet_conditioning_scale=0.7,
+        lora_scales={"peft": 0.5, "kohya": 0.0},
+    )
+    with Image.open(gallery[0]["image"]) as got:
+        np.testing.assert_array_equal(np.asarray(got.convert("RGB")), np.asarray(want.images[0]))
+    assert ours.compile_count == 1
