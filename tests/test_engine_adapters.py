@@ -148,7 +148,7 @@ def test_without_a_control_image_the_controlnet_stays_out_of_the_plan(setup):
     request = ours.limits.resolve(GenerationRequest(PROMPT, height=SIZE, width=SIZE), ours.defaults)
     with_image = dataclasses.replace(request, control_image=control_picture())
     assert not ours.plan(request).control and ours.plan(with_image).control
-    assert ours._job(Ticket(request, []), request, ours.plan(request)).control is None
+    assert ours._job(Ticket(request, []), request, ours.plan(request), ours.prompts(request)).control is None
 
 
 @pytest.mark.parametrize(
