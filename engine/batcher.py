@@ -59,6 +59,7 @@ class Job:
     control: np.ndarray | None = None  # [H, W, 3] in [0, 1]: the control image, with `plan.control`
     control_scale: float = 1.0  # controlnet_conditioning_scale
     lora_weights: tuple[float, ...] = ()  # one per loaded LoRA: the batch's merged params depend on them
+    source: object = None  # modes.Source of one image (host arrays), or None for text-to-image
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     compile_s: float = 0.0
@@ -337,6 +338,7 @@ class Batcher:
             seeds=np.uint32(job.seeds[index]),
             guidance_scale=np.float32(job.guidance_scale),
             tables=job.tables,
+            source=job.source,
         )
 
     @staticmethod

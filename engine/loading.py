@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import sdxl
+from . import sdxl, variants
 from .clip import CLIPTextModel
 from .config import CLIPTextConfig, UNetConfig, VAEConfig
 from .pipeline import Models, Plan
@@ -32,17 +32,8 @@ from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
 from .weights import convert, read_safetensors, rename_legacy
 
-# The scheduler here is a fallback: a folder's own scheduler class, when we have it, comes first.
-FAMILY_DEFAULTS = {
-    "sd": {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"},
-    "sdxl": {"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU write-up
-}
 # Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
 TURBO_DEFAULTS = {"num_inference_steps": 1, "guidance_scale": 0.0}
-FAMILY_MAX_SIDE = {"sd": 1024, "sdxl": 2048}  # pixels: twice the side each family was trained at
-FAMILY_LABELS = {"sd": "Stable Diffusion", "sdxl": "Stable Diffusion XL"}
-TEXT_ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
-TOKENIZERS = {"sd": ("tokenizer",), "sdxl": ("tokenizer", "tokenizer_2")}
 
 
 class Tokenizer:
@@ -72,6 +63,7 @@ class Tokenizer:
 class LoadedModel:
     name: str
     family: str
+    variant: variants.Variant
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype
     unet_config: UNetConfig
@@ -92,7 +84,7 @@ class LoadedModel:
 
     @property
     def latent_channels(self) -> int:
-        return self.unet_config.in_channels
+        return self.vae_config.latent_channels  # an inpainting UNet reads more: mask and masked picture
 
     def tokenize(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
         """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL)."""
@@ -111,10 +103,10 @@ def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
 
 
 def _defaults(
-    folder: ModelFolder, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
+    folder: ModelFolder, variant: variants.Variant, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
     side = (unet.sample_size or 64) * 2 ** (len(vae.block_out_channels) - 1)
-    defaults = {"height": side, "width": side, **FAMILY_DEFAULTS[folder.family]}
+    defaults = {"height": side, "width": side, **variant.defaults}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
     if is_turbo(folder, scheduler):
@@ -137,7 +129,8 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     family = folder.family
     unet_cfg = UNetConfig.from_json(folder.component("unet") / "config.json")
     vae_cfg = VAEConfig.from_json(folder.component("vae") / "config.json")
-    encoders = TEXT_ENCODERS[family]
+    variant = variants.find(family, unet_cfg.in_channels, where=folder.name)
+    encoders = variant.text_encoders
     clip_cfgs = [CLIPTextConfig.from_json(folder.component(name) / "config.json") for name in encoders]
     if family == "sdxl":
         sdxl.check_layout(unet_cfg, *clip_cfgs, where=folder.name)
@@ -156,7 +149,7 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     graphdef, params = convert(make, tensors, dtype, where=folder.name)
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
-    defaults, examples = _defaults(folder, unet_cfg, vae_cfg, sched_cfg)
+    defaults, examples = _defaults(folder, variant, unet_cfg, vae_cfg, sched_cfg)
     family_parts = {}
     if family == "sdxl":
         family_parts["extra_inputs"] = functools.partial(
@@ -167,14 +160,15 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     return LoadedModel(
         name=folder.name,
         family=family,
+        variant=variant,
         graphdef=graphdef,
         params=params,
         unet_config=unet_cfg,
         vae_config=vae_cfg,
         scheduler_config=sched_cfg,
-        tokenizers=[Tokenizer(folder.component(name)) for name in TOKENIZERS[family]],
+        tokenizers=[Tokenizer(folder.component(name)) for name in variant.tokenizers],
         defaults=defaults,
-        label=FAMILY_LABELS[family] + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
+        label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
         example_prompts=examples,
         max_clip_skip=min(cfg.num_hidden_layers for cfg in clip_cfgs) - 1,
         **family_parts,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import prompts, schedulers
+from . import modes, prompts, schedulers
 from .clip import CLIPTextModel
 from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
@@ -61,6 +61,7 @@ class Plan:
     chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
     control: bool = False  # the ControlNet runs beside the UNet; each slot brings a control image
+    mode: str = "txt2img"  # txt2img | img2img | inpaint (engine/modes.py): what admit encodes, what steps keep
 
     @property
     def slots_per_device(self) -> int:
@@ -201,6 +202,7 @@ class Admission:
     # With `plan.control`: each slot's control image [batch, H, W, 3] in [0, 1] at pixel size, and its scale.
     control: jax.Array | None = None
     control_scale: jax.Array | None = None  # [batch] f32
+    source: modes.Source | None = None  # image modes: each slot's picture and mask
 
 
 @jax.tree_util.register_dataclass
@@ -222,6 +224,7 @@ class Slots:
     cond: Conditioning
     control: jax.Array | None = None  # [batch, H, W, 3] with `plan.control`, else None
     control_scale: jax.Array | None = None  # [batch] f32
+    kept: modes.Inpainting | None = None  # inpainting: mask and picture latents the steps read
 
 
 def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -237,10 +240,12 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         cond = jax.tree.map(_pair, uncond, cond)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
-    x = noise * new.tables.init_noise_sigma[:, None, None, None]
+    x, kept = noise * new.tables.init_noise_sigma[:, None, None, None], None
+    if plan.mode != "txt2img":
+        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, models.unet.config.in_channels)
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
-    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond, new.control, new.control_scale)
+    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond, new.control, new.control_scale, kept)
 
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
@@ -272,6 +277,7 @@ def advance(
     models: Models = nnx.merge(graphdef, params)
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
+    channels = models.unet.config.in_channels
     keys = image_keys(slots.seeds)
 
     def body(_, carry):
@@ -281,7 +287,8 @@ def advance(
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
         if plan.guidance:
             model_in, timesteps = _pair(model_in, model_in), _pair(timesteps, timesteps)
-        residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)
+        residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
+        model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
         out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids, *residuals)
         out = out.astype(jnp.float32)
         if plan.guidance:
@@ -295,6 +302,7 @@ def advance(
             new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x, noise)
         else:
             new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x)
+        new_x = modes.blend(new_x, slots.kept, t, i, channels)
         keep = lambda a, b: _select(active, a, b)  # noqa: E731 - finished and empty slots stay as they are
         return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32)
 

@@ -52,6 +52,9 @@ class GenerationRequest:
     # The server's LoRAs by name -> weight; a loaded LoRA left out keeps weight 1.0, as after diffusers'
     # `load_lora_weights`; 0 turns one off. `Limits.resolve` fills in every name.
     lora_scales: Mapping[str, float] | None = field(default=None, hash=False)
+    image: Image.Image | None = field(default=None, compare=False, repr=False)  # start from this picture
+    mask_image: Image.Image | None = field(default=None, compare=False, repr=False)  # white: repaint (inpainting)
+    strength: float | None = None  # with an image: how much of the schedule runs (1: all of it)
 
     @property
     def guided(self) -> bool:
@@ -130,9 +133,25 @@ class Limits:
             fill["num_images"] = self.devices * images_per_device
         if self.loras and (request.lora_scales is None or isinstance(request.lora_scales, Mapping)):
             fill["lora_scales"] = {**dict.fromkeys(self.loras, 1.0), **(request.lora_scales or {})}
+        if isinstance(request.image, Image.Image) and request.height is None and request.width is None:
+            fill["width"], fill["height"] = self.image_size(request.image)
+        if request.image is not None and request.strength is None:
+            fill["strength"] = defaults.get("strength", 0.8)
         request = dataclasses.replace(request, **fill) if fill else request
         self.check(request)
         return request
+
+    def image_size(self, image: Image.Image) -> tuple[int, int]:
+        """(width, height) for a picture when the request gives none: its own, fitted to the limits, rounded
+        down to the VAE's multiple as diffusers' `VaeImageProcessor` does; the nearest offered size if sizes
+        are fixed."""
+        m = self.side_multiple
+        scale = min(1.0, self.max_side / max(image.size))
+        w, h = (max(self.min_side, int(side * scale) // m * m) for side in image.size)
+        if self.sizes is None or (w, h) in self.sizes:
+            return w, h
+        aspect = math.log(w / h)
+        return min(self.sizes, key=lambda s: (abs(math.log(s[0] / s[1]) - aspect), abs(s[0] * s[1] - w * h)))
 
     def check(self, r: GenerationRequest) -> None:
         """Raises InvalidRequest with a message that says what to change; the first problem found wins."""
@@ -170,6 +189,7 @@ class Limits:
                 f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
             )
         self._check_adapters(r)
+        self._check_images(r)
 
     def _check_adapters(self, r: GenerationRequest) -> None:
         """The ControlNet's and the LoRAs' inputs: only what the server loaded, in range."""
@@ -201,6 +221,30 @@ class Limits:
         for name, weight in r.lora_scales.items():
             if not _number(weight) or not math.isfinite(weight) or not low <= weight <= high:
                 raise InvalidRequest(f"LoRA {name!r} weight must be a number from {low:g} to {high:g}, got {weight!r}")
+
+    def _check_images(self, r: GenerationRequest) -> None:
+        if r.image is not None and not isinstance(r.image, Image.Image):
+            raise InvalidRequest(f"image must be a picture (PIL.Image), got {type(r.image).__name__}")
+        if r.mask_image is not None:
+            if r.image is None:
+                raise InvalidRequest("mask_image needs an image to paint into; give image too")
+            if not isinstance(r.mask_image, Image.Image):
+                raise InvalidRequest(f"mask_image must be a picture (PIL.Image), got {type(r.mask_image).__name__}")
+            if r.mask_image.size != r.image.size:
+                (mw, mh), (iw, ih) = r.mask_image.size, r.image.size
+                raise InvalidRequest(
+                    f"mask_image is {mw}x{mh} but image is {iw}x{ih}; draw or upload the mask at the picture's size"
+                )
+        if r.strength is None:
+            return
+        s = r.strength
+        if not _number(s) or not math.isfinite(s) or not 0 < s <= 1:
+            raise InvalidRequest(f"strength must be a number above 0 and at most 1, got {s!r}")
+        if r.image is not None and int(r.num_inference_steps * s) < 1:
+            raise InvalidRequest(
+                f"strength {s:g} of {r.num_inference_steps} steps runs no step at all; "
+                f"raise the strength to at least {1 / r.num_inference_steps:g} or the steps"
+            )
 
     def check_chunks(self, chunks: int, tokens: int, what: str = "prompt") -> None:
         """A tokenized prompt's length: more chunks than `max_chunks` is refused with the token budget."""

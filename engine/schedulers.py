@@ -246,6 +246,56 @@ def _karras(s: dict[str, Any], sigma_min: float, sigma_max: float, n: int) -> np
     return (hi + np.linspace(0, 1, n) * (lo - hi)) ** 7.0
 
 
+def _ddim_alphas(ts: np.ndarray, family: str, ac: np.ndarray, final: np.float32, gap: int) -> dict[str, np.ndarray]:
+    """a_t of the timestep each loop step starts from and lands on; both step by T // n whatever the spacing.
+
+    PNDM's call 1 redoes the step before it (from `t + gap` to `t`), whatever the timesteps are: diffusers
+    counts calls, so an image-to-image schedule cut short does the same from its own first step.
+    """
+    cur, prev = ts.copy(), ts - gap
+    if family == "pndm":
+        cur[1:2], prev[1:2] = ts[1:2] + gap, ts[1:2]
+    return dict(alpha_t=_alpha_at(ac, cur, final), alpha_prev=_alpha_at(ac, prev, final))
+
+
+def start_step(num_inference_steps: int, strength: float) -> int:
+    """diffusers' `get_timesteps`: image-to-image skips the first steps; strength 1 runs them all."""
+    init = min(int(num_inference_steps * strength), num_inference_steps)
+    return max(num_inference_steps - init, 0)
+
+
+def _cut(sched: dict[str, Any], s: dict[str, Any], family: str, n: int, start: int) -> dict[str, Any]:
+    """The schedule from loop step `start` on, as diffusers' pipelines slice `scheduler.timesteps` (order 1).
+
+    Solvers restart there: DPM-Solver++ takes a first-order step first (no history yet), PNDM counts its
+    calls from zero. Euler and DPM index their sigmas from `begin_index`, so the sigmas are cut the same way.
+    """
+    if start == 0:
+        return sched
+    out = {k: v[start:] for k, v in sched.items() if k != "init_noise_sigma"}
+    out["init_noise_sigma"] = sched["init_noise_sigma"]
+    if family in ("pndm", "ddim"):
+        ac = _alphas_cumprod(s, family)
+        final = np.float32(1.0) if s.get("set_alpha_to_one") else ac[0]
+        out.update(_ddim_alphas(out["timesteps"], family, ac, final, s["num_train_timesteps"] // n))
+    if family == "dpm":
+        out["order"] = out["order"].copy()
+        out["order"][0] = 1
+    return out
+
+
+def _noising(s: dict[str, Any], family: str, sched: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """`scheduler.add_noise(x0, noise, t)` = signal * x0 + noise_scale * noise at each loop step's timestep."""
+    if family in ("pndm", "ddim"):  # DDPM's add_noise at the integer timestep
+        a = _alphas_cumprod(s, family)[np.asarray(sched["timesteps"], np.int64)].astype(np.float32)
+        return np.sqrt(a), np.sqrt(1 - a)
+    sigmas = np.asarray(sched["sigmas"][: len(sched["timesteps"])], np.float32)
+    if family == "dpm":  # variance preserving: alpha_t x0 + sigma_t noise
+        alpha = 1 / np.sqrt(sigmas**2 + 1)
+        return alpha, sigmas * alpha
+    return np.ones_like(sigmas), sigmas  # Euler: x0 + sigma noise
+
+
 def _schedule(s: dict[str, Any], family: str, n: int) -> dict[str, Any]:
     """Unpadded per-step tables for one step count, computed in diffusers' order and dtypes."""
     T = s["num_train_timesteps"]
@@ -258,10 +308,7 @@ def _schedule(s: dict[str, Any], family: str, n: int) -> dict[str, Any]:
         ts = np.round(_spaced(s, n)).astype(np.int64)
         if family == "pndm":  # PLMS visits t_1 twice: call 1 redoes t_0 -> t_1 with two outputs averaged (Heun)
             ts = np.concatenate([ts[:1], ts[1:2], ts[1:]]) if n > 1 else ts
-        cur, prev = ts.copy(), ts - T // n  # both step by T // n whatever the spacing
-        if family == "pndm":
-            cur[1:2], prev[1:2] = ts[1:2] + T // n, ts[1:2]
-        out.update(timesteps=ts, alpha_t=_alpha_at(ac, cur, final_alpha), alpha_prev=_alpha_at(ac, prev, final_alpha))
+        out.update(timesteps=ts, **_ddim_alphas(ts, family, ac, final_alpha, T // n))
     elif family in ("euler", "euler_a"):
         ts = _spaced(s, n).astype(np.float32)  # Euler feeds the UNet float (possibly fractional) timesteps
         sigmas = np.interp(ts, np.arange(T), train_sigmas)
@@ -312,7 +359,10 @@ class Tables:
     order: Array  # [L] i32: DPM-Solver++ order at step i (1 or 2)
     num_loop_steps: Array  # [] i32: UNet evaluations (PNDM: n + 1 for n > 1)
     num_inference_steps: Array  # [] i32: the n asked for
-    init_noise_sigma: Array  # [] f32: initial latents are standard normal times this
+    init_noise_sigma: Array  # [] f32: initial latents are standard normal times this (plus the image's part)
+    init_signal: Array  # [] f32: image modes start from init_signal * image latents + init_noise_sigma * noise
+    blend_signal: Array  # [L] f32: 4-channel inpainting's known latents after step i are blend_signal * image
+    blend_noise: Array  # [L] f32: ... + blend_noise * noise (add_noise at the next timestep; the clean image last)
     prediction_type: str = dataclasses.field(default="epsilon", metadata=dict(static=True))
     clip_sample_range: float | None = dataclasses.field(default=None, metadata=dict(static=True))  # DDIM x0 clip
     solver_type: str = dataclasses.field(default="midpoint", metadata=dict(static=True))  # DPM second order
@@ -328,15 +378,36 @@ class State:
     prev_x0: Array | None = None  # DPM-Solver++: the previous step's data prediction
 
 
-def tables(config: SchedulerConfig, kind: str, num_inference_steps: int, max_steps: int) -> Tables:
-    """Host-side schedule for `num_inference_steps`, padded to the static `max_steps`."""
+def tables(
+    config: SchedulerConfig,
+    kind: str,
+    num_inference_steps: int,
+    max_steps: int,
+    strength: float | None = None,
+    inpaint: bool = False,
+) -> Tables:
+    """Host-side schedule for `num_inference_steps`, padded to the static `max_steps`.
+
+    With `strength` (image-to-image and inpainting), the schedule starts at the step that strength selects
+    and the initial latents are `add_noise(image latents, noise, first timestep)`, as diffusers' img2img
+    pipelines do; inpainting at strength 1 starts from pure noise, as `StableDiffusionInpaintPipeline` does.
+    """
     s, family = settings(config, kind), _family(kind)
     n = int(num_inference_steps)
     if not 1 <= n <= max_steps:
         raise ValueError(f"num_inference_steps must be between 1 and max_steps={max_steps}, got {n}")
     if n > s["num_train_timesteps"]:
         raise ValueError(f"num_inference_steps {n} exceeds num_train_timesteps {s['num_train_timesteps']}")
-    sched = _schedule(s, family, n)
+    start = 0 if strength is None else start_step(n, strength)
+    if start >= n:
+        raise ValueError(f"strength {strength} leaves no step of {n}; raise the strength or the steps")
+    sched = _cut(_schedule(s, family, n), s, family, n, start)
+    signal, noise = _noising(s, family, sched)
+    sched["blend_signal"] = np.concatenate([signal[1:], [1.0]])
+    sched["blend_noise"] = np.concatenate([noise[1:], [0.0]])
+    init_signal = 0.0
+    if strength is not None and not (inpaint and strength == 1.0):
+        init_signal, sched["init_noise_sigma"] = signal[0], noise[0]
 
     def pad(name: str, dtype: Any) -> np.ndarray:
         # Repeating the last entry keeps never-used padding finite.
@@ -350,6 +421,9 @@ def tables(config: SchedulerConfig, kind: str, num_inference_steps: int, max_ste
         num_loop_steps=np.int32(len(sched["timesteps"])),
         num_inference_steps=np.int32(n),
         init_noise_sigma=np.float32(sched["init_noise_sigma"]),
+        init_signal=np.float32(init_signal),
+        blend_signal=pad("blend_signal", np.float32),
+        blend_noise=pad("blend_noise", np.float32),
         prediction_type="sample" if s["prediction_type"] == "original_sample" else s["prediction_type"],
         clip_sample_range=None if clip is None else float(clip),
         solver_type=s.get("solver_type", "midpoint"),

@@ -22,11 +22,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from PIL import Image
 
-from . import schedulers
+from . import modes, schedulers
 from .batcher import Batcher, Job
 from .controlnet import attach_controlnet, canny_image, control_image_array, load_controlnet
-from .loading import FAMILY_MAX_SIDE, LoadedModel, load_model_folder
+from .loading import LoadedModel, load_model_folder
 from .lora import LoRAFactors, load_lora, lora_factors
 from .lora_serving import ServedLoRAs
 from .pipeline import Admission, Plan
@@ -105,11 +106,12 @@ class Engine:
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
         self.controlnet = model.controlnet  # its source, or None
         self.defaults = dict(model.defaults)
+        self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor
         self.limits = Limits(
             schedulers=schedulers.SCHEDULERS,
             side_multiple=factor,
-            max_side=FAMILY_MAX_SIDE[model.family],
+            max_side=model.variant.max_side,
             max_clip_skip=model.max_clip_skip,
             devices=n,
             control=model.controlnet is not None,
@@ -207,6 +209,7 @@ class Engine:
             chunks=chunks,
             devices=len(self._devices),
             control=r.controlled,
+            mode=modes.mode_of(r.image, r.mask_image),
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
@@ -227,6 +230,14 @@ class Engine:
                     f"latents must have shape {want} (images, channels, height/8, width/8), got {latents.shape}"
                 )
             latents = latents.transpose(0, 2, 3, 1)  # NCHW -> NHWC
+        tables = schedulers.tables(
+            self.model.scheduler_config,
+            r.scheduler,
+            r.num_inference_steps,
+            plan.max_steps,
+            strength=None if plan.mode == "txt2img" else float(1.0 if r.strength is None else r.strength),
+            inpaint=plan.mode == "inpaint",
+        )
         return Job(
             ticket=ticket,
             plan=plan,
@@ -235,7 +246,7 @@ class Engine:
             neg_ids=negative.ids,
             neg_weights=negative.weights,
             extra=extra,
-            tables=schedulers.tables(self.model.scheduler_config, r.scheduler, r.num_inference_steps, plan.max_steps),
+            tables=tables,
             seeds=r.image_seeds(),
             guidance_scale=float(r.guidance_scale),
             latents=latents,
@@ -243,6 +254,7 @@ class Engine:
             control=self._control_image(r, plan),
             control_scale=float(r.controlnet_conditioning_scale),
             lora_weights=self.loras.weights(r.lora_scales),
+            source=self._source(r, plan),
         )
 
     def _control_image(self, r: GenerationRequest, plan: Plan) -> np.ndarray | None:
@@ -258,6 +270,14 @@ class Engine:
     def canny_image(self, image, low: int = 100, high: int = 200):
         """The Canny edge map of a picture (white edges on black), the usual control image: for the page."""
         return canny_image(image, low, high)
+
+    def _source(self, r: GenerationRequest, plan: Plan) -> modes.Source | None:
+        """One image's picture and mask at the request's size (zeros for an empty slot); None for text-to-image."""
+        if plan.mode == "txt2img":
+            return None
+        factor = self.model.vae_scale_factor
+        width, height = plan.latent_width * factor, plan.latent_height * factor
+        return modes.Source(**modes.source_row(r.image, r.mask_image, width, height))
 
     def _blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
@@ -295,13 +315,16 @@ class Engine:
             guidance_scale=np.zeros(b, np.float32),
             tables=jax.tree.map(stack, row.tables),
             **(dict(control=stack(row.control), control_scale=np.zeros(b, np.float32)) if plan.control else {}),
+            source=jax.tree.map(stack, row.source),
         )
 
     def submit(self, request: GenerationRequest) -> Ticket:
         """Queues a request; returns at once with its Ticket. Raises InvalidRequest, or Busy when the queue is full."""
         if not isinstance(request, GenerationRequest):
             raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
-        r = self.limits.resolve(request, self.defaults, self.images_per_device)
+        self.variant.check(request.image, request.mask_image)
+        defaults = dict(self.defaults, strength=self.variant.default_strength(request.mask_image))
+        r = self.limits.resolve(request, defaults, self.images_per_device)
         prompts = self.prompts(r)
         plan = self.plan(r, max(p.chunks for p in prompts))
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]
@@ -326,11 +349,17 @@ class Engine:
         control_image=None,
         controlnet_conditioning_scale: float = 1.0,
         lora_scales: dict[str, float] | None = None,
+        image: Image.Image | None = None,
+        mask_image: Image.Image | None = None,
+        strength: float | None = None,
     ) -> GenerationResult:
         """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early.
 
         `control_image` (a PIL picture; a server with a ControlNet) steers every image, its residuals scaled by
-        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0)."""
+        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0).
+        `image`: start from this picture (image-to-image), noised to the step `strength` selects; with
+        `mask_image` (white = repaint), only the white part is redrawn (inpainting). `latents` is then the
+        noise mixed into the picture."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -346,6 +375,9 @@ class Engine:
             control_image=control_image,
             controlnet_conditioning_scale=controlnet_conditioning_scale,
             lora_scales=lora_scales,
+            image=image,
+            mask_image=mask_image,
+            strength=strength,
         )
         ticket = self.submit(request)
         if progress is not None:

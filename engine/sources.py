@@ -12,15 +12,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .variants import PIPELINE_FAMILIES
+
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = ASSETS / "default"
 
 WEIGHT_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 SAFETY_FEATURE_EXTRACTOR = "feature_extractor/preprocessor_config.json"  # the safety checker's preprocessing
-PIPELINE_FAMILIES = {
-    "StableDiffusionPipeline": "sd",
-    "StableDiffusionXLPipeline": "sdxl",
-}
 _WEIGHT_NAME = re.compile(
     r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+?))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
 )
