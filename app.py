@@ -140,6 +140,78 @@ def _as_size(pipe: Any, value: Any) -> tuple[int, int]:
         raise _refuse(f"Size must be written WIDTHxHEIGHT, like 512x512, not {value!r}{choices}.") from None
 
 
+# ---- image-to-image and inpainting: the picture inputs ----------------------------------------
+
+MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
+
+
+def mode_choices(pipe: Any) -> list[str]:
+    """The modes the model can run: an inpainting model only repaints (its variant needs a picture and a mask)."""
+    needs = getattr(getattr(pipe, "variant", None), "needs", frozenset())
+    return ["Inpaint"] if needs else list(MODES)
+
+
+def picture_controls(pipe: Any) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider]:
+    """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength."""
+    choices = mode_choices(pipe)
+    variant = pipe.variant
+    with gr.Accordion("Start from a picture: image to image, inpainting", open=choices[0] != "Text to image"):
+        mode = gr.Radio(choices, value=choices[0], label="Mode", elem_id="mode")
+        picture = gr.ImageEditor(
+            label="Picture (to inpaint, paint over what to redraw)",
+            type="pil",
+            sources=("upload", "clipboard"),
+            brush=gr.Brush(colors=["#ffffff"], color_mode="fixed"),
+            transforms=(),
+            elem_id="picture",
+        )
+        mask = gr.Image(
+            label="Mask (instead of painting: white is redrawn)", type="pil", sources=("upload",), elem_id="mask"
+        )
+        strength = gr.Slider(
+            0.05,
+            1.0,
+            value=variant.default_strength("mask" if choices[0] == "Inpaint" else None),
+            step=0.05,
+            label="Strength (how much of the picture is redrawn)",
+            elem_id="strength",
+        )
+    return mode, picture, mask, strength
+
+
+def _value(component: Any, raw: Any) -> Any:
+    """A raw (not preprocessed) API value of an image component, as the component's own preprocess gives it."""
+    if raw is None or component is None:
+        return None
+    if isinstance(raw, dict):
+        raw = component.data_model.model_validate(raw)
+    return component.preprocess(raw)
+
+
+def picture_fields(mode: Any, picture: Any, mask: Any, strength: Any) -> dict[str, Any]:
+    """The request's image, mask_image and strength from the page's mode, editor value and mask upload."""
+    kind = MODES.get(mode or "Text to image")
+    if kind is None:
+        raise _refuse(f"Mode must be one of {', '.join(MODES)}, not {mode!r}.")
+    if kind == "txt2img":
+        return {}
+    editor = picture if isinstance(picture, dict) else {"background": picture, "layers": []}
+    image = editor.get("background")
+    if image is None:
+        raise _refuse(f"{mode} needs a picture: upload one first.")
+    fields = {"image": image.convert("RGB"), "strength": _as_float(strength, "Strength"), "width": None}
+    if kind == "inpaint":
+        if mask is None:  # the painted strokes: every layer's opaque pixels, at the picture's size
+            mask = Image.new("L", image.size, 0)
+            for layer in editor.get("layers") or []:
+                alpha = layer.convert("RGBA").getchannel("A").resize(image.size)
+                mask.paste(255, mask=alpha.point(lambda a: 255 if a > 0 else 0))
+            if mask.getbbox() is None:
+                raise _refuse("Inpaint needs a mask: paint over what to redraw, or upload a mask.")
+        fields["mask_image"] = mask
+    return fields
+
+
 def parse_request(
     pipe: Any,
     prompt: Any,
@@ -151,9 +223,12 @@ def parse_request(
     scheduler: Any,
     size: Any,
     images_per_device: Any,
+    pictures: dict[str, Any] | None = None,
     **adapters: Any,
 ) -> engine.GenerationRequest:
     """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
+
+    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size.
     `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional."""
     prompt = _as_text(prompt, "Prompt")
     if not prompt:
@@ -167,6 +242,9 @@ def parse_request(
     if not 1 <= per_device <= top:
         raise _refuse(f"Images per device must be from 1 to {top}; {per_device} is out of range.")
     width, height = _as_size(pipe, size)
+    pictures = dict(pictures or {})
+    if pictures.pop("width", 0) is None:
+        width = height = None
     return engine.GenerationRequest(
         prompt=prompt,
         negative_prompt=_as_text(negative_prompt, "Negative prompt") or None,  # an empty box: no negative prompt
@@ -178,6 +256,7 @@ def parse_request(
         height=height,
         num_images=per_device * len(pipe.devices),
         **adapter_fields(pipe, **adapters),
+        **pictures,
     )
 
 
@@ -273,7 +352,7 @@ def describe(result: Any, random_seed: bool) -> str:
     parts = [
         f"**{n} image{'s' if n != 1 else ''}** in {result.timings['total_s']:.1f} s",
         f"{r.width}×{r.height}",
-        f"{r.num_inference_steps} steps",
+        f"{r.num_inference_steps} steps" + (f", strength {r.strength:g}" if r.image is not None else ""),
         f"{r.scheduler}",
         f"seed {r.seed}" + (" (random)" if random_seed else ""),
     ]
@@ -460,9 +539,13 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
         canny_edges=False,
         controlnet_conditioning_scale=1.0,
         lora_scales=None,
+        mode="Text to image",
+        picture=None,
+        mask=None,
+        strength=None,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
-        """Draws pictures with Stable Diffusion from a text prompt.
+        """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
 
         Args:
             prompt: what the picture should show, in English words.
@@ -478,6 +561,10 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             canny_edges: steer with the control picture's Canny edge map rather than the picture itself.
             controlnet_conditioning_scale: how strongly the control picture steers, 0 to 2.
             lora_scales: the server's LoRAs by name -> weight (a LoRA left out keeps 1.0).
+            mode: "Text to image", "Image to image" (redraw `picture`) or "Inpaint" (redraw its masked part).
+            picture: the starting picture, as the image editor sends it (its background; painted layers are the mask).
+            mask: inpainting: a mask at the picture's size, white where the picture is redrawn (else the painting).
+            strength: with a picture, how much is redrawn, above 0 and at most 1.
 
         Returns:
             the pictures with "device · seed" captions, the seed used, and a line of details.
@@ -496,6 +583,9 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             "canny_edges": canny_edges,
             "controlnet_conditioning_scale": controlnet_conditioning_scale,
             "lora_scales": lora_scales,
+            "pictures": picture_fields(
+                mode, _value(widgets.get("picture"), picture), _value(widgets.get("mask"), mask), strength
+            ),
         }
         async for update in run_generation(pipe, raw, progress):
             yield update
@@ -503,8 +593,10 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
     def refresh_status():
         return _status(pipe), gr.Timer(active=not pipe.ready)
 
+    widgets: dict[str, Any] = {}  # the picture inputs, which `generate` preprocesses itself
+
     with gr.Blocks(title="jax-sd", analytics_enabled=False) as demo:
-        gr.Markdown("# jax-sd\nStable Diffusion text-to-image in JAX.")
+        gr.Markdown("# jax-sd\nStable Diffusion in JAX: text to image, image to image, inpainting.")
         gr.Markdown(model_summary(pipe), elem_id="model")
         status = gr.Markdown(_status(pipe), elem_id="status")
         with gr.Row():
@@ -523,6 +615,8 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                 guidance_scale = gr.Slider(
                     *limits.guidance_range, value=defaults["guidance_scale"], step=0.5, label="Guidance scale"
                 )
+                mode, picture, mask, strength = picture_controls(pipe)
+                widgets.update(picture=picture, mask=mask)
                 with gr.Accordion("Advanced", open=False):
                     scheduler = gr.Dropdown(list(limits.schedulers), value=defaults["scheduler"], label="Scheduler")
                     if sizes is None:  # any size in range: typed as WIDTHxHEIGHT
@@ -579,6 +673,7 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
 
         inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
         inputs += adapters
+        inputs += [mode, picture, mask, strength]
         # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
         # caller sending a bad value gets the same readable message as the page. Many requests run at
         # once: the engine batches them on the devices; Gradio's queue holds the rest.
@@ -601,6 +696,13 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
             done.success(
                 remember, [history, gallery, *form], [history, history_gallery], api_visibility="private", queue=False
             )
+        mode.change(
+            lambda chosen: pipe.variant.default_strength("mask" if chosen == "Inpaint" else None),
+            [mode],
+            [strength],
+            api_visibility="private",
+            queue=False,
+        )
         history_gallery.select(restore, [history], [*form, random_seed], api_visibility="private", queue=False)
         dropped.upload(
             lambda image: read_png_info(pipe, image),

@@ -52,7 +52,7 @@ _PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
 # The keys this dataclass owns; everything else stays in `extra`, in the order it came.
-_OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Clip skip")
+_OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Denoising strength", "Clip skip")
 # A1111's order for the keys that lead its line; the others follow in the order they came.
 _ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model")
 
@@ -82,6 +82,7 @@ class GenerationParameters:
     height: int | None = None
     model: str | None = None  # "Model": the model's name, not a path to it
     clip_skip: int = 0  # layers skipped, as `GenerationRequest.clip_skip`; A1111 writes "Clip skip: 2" for 1
+    strength: float | None = None  # "Denoising strength": image-to-image and inpainting only, as A1111 writes it
     # Every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us, ...).
     extra: dict[str, str] = field(default_factory=dict, hash=False)
 
@@ -105,6 +106,7 @@ class GenerationParameters:
             model=model,
             clip_skip=request.clip_skip,
             extra=_adapter_entries(request),
+            strength=request.strength if request.image is not None else None,
         )
 
     def request_fields(self) -> dict[str, Any]:
@@ -119,6 +121,7 @@ class GenerationParameters:
             width=self.width,
             scheduler=self.scheduler,
             clip_skip=self.clip_skip,
+            strength=self.strength,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -165,6 +168,8 @@ def format_parameters(params: GenerationParameters) -> str:
         own["Size"] = f"{int(params.width)}x{int(params.height)}"
     if params.model:
         own["Model"] = params.model
+    if params.strength is not None:
+        own["Denoising strength"] = _number(params.strength)
     if params.clip_skip:
         own["Clip skip"] = str(params.clip_skip + 1)
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
@@ -239,6 +244,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         width=width,
         model=pairs.get("Model"),
         clip_skip=max(clip_skip - 1, 0) if clip_skip is not None else 0,
+        strength=_real(pairs.get("Denoising strength")),
     )
     # A key whose value we could not take (an unknown sampler, a seed that is not a number) stays as text.
     taken = {
@@ -249,6 +255,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         "Seed": values["seed"] is not None,
         "Size": width is not None,
         "Model": True,
+        "Denoising strength": values["strength"] is not None,
         "Clip skip": clip_skip is not None,
     }
     extra = {key: value for key, value in pairs.items() if key not in _OWN or not taken[key]}

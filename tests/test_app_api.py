@@ -31,6 +31,7 @@ class FakeEngine:
 
     defaults = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "ddim"}
     family = "sd"
+    variant = engine.variants.VARIANTS[0]  # text-to-image SD: every mode
     model_name = "fake"
     devices = ["cpu:0", "cpu:1"]
     batch_size = 4
@@ -530,3 +531,48 @@ def test_control_picture_canny_and_lora_weights_reach_the_request(tmp_path):
         run(pipe, page_values(lora_scales={"colour": 1.0}))
     with pytest.raises(gr.Error, match="started without a ControlNet"):
         run(FakeEngine(), page_values(control_image=upload))
+
+
+# ---- image to image and inpainting on the page ----------------------------------------------
+
+
+def test_picture_modes_become_image_mask_and_strength():
+    picture = Image.new("RGB", (88, 64), (200, 30, 30))
+    stroke = Image.new("RGBA", (88, 64), (0, 0, 0, 0))
+    stroke.paste((255, 255, 255, 255), (10, 10, 30, 40))
+    editor = {"background": picture, "layers": [stroke], "composite": picture}
+    pipe = FakeEngine()
+
+    def request(mode, mask=None, strength=0.6):
+        fields = app.picture_fields(mode, editor, mask, strength)
+        return pipe.limits.resolve(app.parse_request(pipe, **page_values(), pictures=fields), pipe.defaults)
+
+    assert request("Text to image").image is None
+    img2img = request("Image to image")
+    assert (img2img.image.size, img2img.mask_image, img2img.strength) == ((88, 64), None, 0.6)
+    assert (img2img.width, img2img.height) == (88, 64)  # the picture's own size, not the size box's 64x64
+    painted = request("Inpaint", strength=1.0).mask_image
+    assert painted.size == (88, 64) and painted.getbbox() == (10, 10, 30, 40)  # the stroke, white
+    uploaded = Image.new("L", (88, 64), 255)
+    assert request("Inpaint", mask=uploaded).mask_image is uploaded  # an uploaded mask wins over the painting
+    with pytest.raises(gr.Error, match="Inpaint needs a mask"):
+        app.picture_fields("Inpaint", {"background": picture, "layers": []}, None, 1.0)
+    with pytest.raises(gr.Error, match="Image to image needs a picture"):
+        app.picture_fields("Image to image", None, None, 0.5)
+    with pytest.raises(gr.Error, match="Mode must be one of"):
+        app.picture_fields("Outpaint", editor, None, 0.5)
+
+
+def test_the_api_keeps_its_old_parameters_first_and_the_picture_ones_have_defaults():
+    demo = app.create_demo(FakeEngine())
+    api = demo.get_api_info()["named_endpoints"]["/" + app.API_NAME]["parameters"]
+    names = [p["parameter_name"] for p in api]
+    assert names[:9] == ["prompt", "negative_prompt", "seed", "random_seed", "steps", "guidance_scale"] + [
+        "scheduler",
+        "size",
+        "images_per_device",
+    ]
+    extra = {p["parameter_name"]: p for p in api[9:]}
+    assert {"mode", "picture", "mask", "strength"} <= set(extra)
+    assert all(p["parameter_has_default"] for p in extra.values())
+    assert extra["mode"]["parameter_default"] == "Text to image"

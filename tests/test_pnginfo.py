@@ -108,9 +108,9 @@ A1111_SAMPLES = [
             width=985,
             height=1266,
             model="realism_engine",
+            strength=0.75,  # "Denoising strength"
             extra={
                 "Model hash": "b513c6287d",
-                "Denoising strength": "0.75",
                 "Mask blur": "2",
                 "Version": "v1.9.4",
             },
@@ -133,10 +133,10 @@ A1111_SAMPLES = [
             width=512,
             height=512,
             model="instruct-pix2pix-00-22000",
+            strength=1.0,
             extra={
                 "Image CFG scale": "1.75",
                 "Model hash": "ffd280ddcf",
-                "Denoising strength": "1",
                 "Version": "v1.9.3",
             },
         ),
@@ -183,6 +183,7 @@ VARIANTS = {
     "fractional guidance": dataclasses.replace(FULL, guidance_scale=7.25),
     "no guidance": dataclasses.replace(FULL, guidance_scale=0.0, clip_skip=0, extra={}),
     "large seed": dataclasses.replace(FULL, seed=2**32 - 1),
+    "image to image": dataclasses.replace(FULL, strength=0.75),
     "three settings only": GenerationParameters(prompt="a cat", num_inference_steps=1, guidance_scale=0.0, seed=3),
 }
 VARIANTS |= {f"scheduler {kind}": dataclasses.replace(FULL, scheduler=kind) for kind in SCHEDULERS}
@@ -330,3 +331,26 @@ def test_recipe_of_a_request():
     assert format_parameters(params) == (
         "a cat\nSteps: 20, Sampler: DDIM, CFG scale: 6.5, Seed: 41, Size: 768x512, Model: tiny, Clip skip: 2"
     )
+
+
+def test_recipe_of_an_image_to_image_request():
+    from PIL import Image
+
+    request = GenerationRequest(
+        "a cat",
+        seed=3,
+        num_inference_steps=20,
+        guidance_scale=7.0,
+        height=512,
+        width=512,
+        scheduler="euler",
+        image=Image.new("RGB", (512, 512)),
+        strength=0.6,
+    )
+    params = GenerationParameters.from_request(request, seed=3, model="tiny")
+    assert params.strength == 0.6
+    # A1111 writes the strength of img2img after the model and before Clip skip.
+    assert format_parameters(dataclasses.replace(params, clip_skip=1)).endswith(
+        "Model: tiny, Denoising strength: 0.6, Clip skip: 2"
+    )
+    assert GenerationParameters.from_request(dataclasses.replace(request, image=None), 3, "tiny").strength is None
