@@ -145,16 +145,20 @@ def _as_size(pipe: Any, value: Any) -> tuple[int, int]:
 MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
 
 
+def _variant(pipe: Any) -> engine.variants.Variant:
+    """What the model is (engine/variants.py); an engine that does not say is a text-to-image one."""
+    return getattr(pipe, "variant", None) or engine.variants.VARIANTS[0]
+
+
 def mode_choices(pipe: Any) -> list[str]:
     """The modes the model can run: an inpainting model only repaints (its variant needs a picture and a mask)."""
-    needs = getattr(getattr(pipe, "variant", None), "needs", frozenset())
-    return ["Inpaint"] if needs else list(MODES)
+    return ["Inpaint"] if _variant(pipe).needs else list(MODES)
 
 
 def picture_controls(pipe: Any) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider]:
     """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength."""
     choices = mode_choices(pipe)
-    variant = pipe.variant
+    variant = _variant(pipe)
     with gr.Accordion("Start from a picture: image to image, inpainting", open=choices[0] != "Text to image"):
         mode = gr.Radio(choices, value=choices[0], label="Mode", elem_id="mode")
         picture = gr.ImageEditor(
@@ -697,7 +701,7 @@ def create_demo(pipe: Any, images_per_device: int = 1, concurrency: int | None =
                 remember, [history, gallery, *form], [history, history_gallery], api_visibility="private", queue=False
             )
         mode.change(
-            lambda chosen: pipe.variant.default_strength("mask" if chosen == "Inpaint" else None),
+            lambda chosen: _variant(pipe).default_strength("mask" if chosen == "Inpaint" else None),
             [mode],
             [strength],
             api_visibility="private",

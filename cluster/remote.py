@@ -81,6 +81,7 @@ class RemoteEngine:
         d = description
         self.model_name = d.model_name
         self.family = d.family
+        self.variant = d.variant
         self.label = f"{d.label} · Ray Serve cluster"
         self.defaults = dict(d.defaults)
         self.limits = d.limits

@@ -46,6 +46,7 @@ class Description:
     warmup_error: str | None
     replica: str  # "replica 1"
     pid: int
+    variant: engine.variants.Variant | None = None  # what the model is: the picture inputs it takes
 
 
 def served_name(model: str | None) -> str:
@@ -110,6 +111,7 @@ class EngineReplica:
             warmup_error=e.warmup_state.error,
             replica=self.name,
             pid=os.getpid(),
+            variant=e.variant,
         )
 
     def activity(self) -> dict:

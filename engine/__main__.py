@@ -1,5 +1,8 @@
 """Command line: `python -m engine generate "a prompt" --steps 25 --out out/`.
 
+With `--image picture.png` it redraws a picture (image to image, `--strength`), and with `--mask mask.png`
+too, only the mask's white part (inpainting).
+
 Writes one PNG per image and, for several images, a grid; prints the seeds and timings.
 """
 
@@ -40,6 +43,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on GPU/TPU, f32 on CPU"
     )
+    gen.add_argument("--image", type=Path, default=None, help="start from this picture (image to image)")
+    gen.add_argument("--mask", type=Path, default=None, help="with --image: redraw only the white part (inpainting)")
+    gen.add_argument("--strength", type=float, default=None, help="with --image: how much is redrawn, 0 to 1")
     gen.add_argument("--out", type=Path, default=Path("out"))
     return parser.parse_args(argv)
 
@@ -51,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compile_cache()
     try:
+        pictures = {}
+        for name, path in (("image", args.image), ("mask_image", args.mask)):
+            if path is not None:
+                try:
+                    with Image.open(path) as picture:
+                        pictures[name] = picture.copy()
+                except OSError as err:
+                    raise InvalidRequest(f"cannot read --{name.split('_')[0]} {path}: {err}") from None
         pipe = load_pipeline(args.model, dtype=args.dtype)
         result = pipe.generate(
             args.prompt,
@@ -62,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             width=args.width,
             num_images=args.images,
             scheduler=args.scheduler,
+            strength=args.strength,
+            **pictures,
         )
     except (InvalidRequest, SourceError, WeightsError) as err:
         print(f"error: {err}", file=sys.stderr)

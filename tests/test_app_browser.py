@@ -173,3 +173,34 @@ def test_live_mode_draws_once_per_pause_and_ends_on_the_final_text(page):
     page.locator("#live input").uncheck()
     assert 1 <= len(finished) <= len(words), finished
     assert finished[-1].startswith(f"Live: “{' '.join(words)} ”"), finished  # the text as typed, last space too
+
+
+def test_inpainting_an_uploaded_picture_with_an_uploaded_mask(page, tmp_path_factory):
+    from PIL import Image, ImageDraw
+    from playwright.sync_api import expect
+
+    folder = tmp_path_factory.mktemp("inpaint")
+    picture, mask = folder / "picture.png", folder / "mask.png"
+    start = Image.new("RGB", (64, 64), (30, 60, 200))
+    ImageDraw.Draw(start).ellipse((16, 16, 48, 48), fill=(220, 30, 30))
+    start.save(picture)
+    holes = Image.new("L", (64, 64), 0)
+    ImageDraw.Draw(holes).rectangle((0, 0, 31, 63), fill=255)  # redraw the left half
+    holes.save(mask)
+
+    expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
+    page.get_by_text("Start from a picture").click()
+    page.locator("#mode").get_by_label("Inpaint").check()
+    page.locator("#picture input[type=file]").set_input_files(str(picture))
+    page.locator("#mask input[type=file]").set_input_files(str(mask))
+    expect(page.locator("#mask img").first).to_be_visible()
+    _set_steps(page, 3)
+    page.get_by_label("Random seed").uncheck()
+    page.get_by_label("Prompt", exact=True).fill("a yellow star on a purple background")
+    page.locator("#generate").click()
+    expect(page.locator("#info")).to_contain_text("strength 1", timeout=300_000)
+    captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
+    expect(captions.first).to_be_visible()
+    image = page.locator("#gallery img").first
+    assert image.evaluate("img => img.complete && img.naturalWidth === 64 && img.naturalHeight === 64")
+    page.locator("#mode").get_by_label("Text to image").check()  # the next test draws from text again

@@ -46,3 +46,19 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert done.returncode == 2
     assert "error: steps must be a whole number from 1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_image_to_image_and_inpainting_from_files(tmp_path):
+    picture, mask = tmp_path / "picture.png", tmp_path / "mask.png"
+    Image.new("RGB", (96, 64), (200, 40, 40)).save(picture)
+    Image.new("L", (96, 64), 255).save(mask)
+    out = tmp_path / "out"
+    args = ["generate", "a red circle", "--steps", "2", "--images", "1", "--image", str(picture)]
+    done = run_cli(*args, "--mask", str(mask), "--strength", "0.5", "--out", str(out), tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    recipe = png_info(out / "seed0.png")
+    assert (recipe.width, recipe.height, recipe.strength) == (96, 64, 0.5)  # the picture's own size
+    small = tmp_path / "small.png"
+    Image.new("L", (32, 32), 255).save(small)
+    done = run_cli(*args, "--mask", str(small), "--out", str(out), tmp_path=tmp_path)
+    assert done.returncode == 2 and "error: mask_image is 32x32 but image is 96x64" in done.stderr
