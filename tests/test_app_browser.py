@@ -175,32 +175,46 @@ def test_live_mode_draws_once_per_pause_and_ends_on_the_final_text(page):
     assert finished[-1].startswith(f"Live: “{' '.join(words)} ”"), finished  # the text as typed, last space too
 
 
-def test_inpainting_an_uploaded_picture_with_an_uploaded_mask(page, tmp_path_factory):
+def _upload_picture(page, path) -> None:
+    # The editor's own "Upload an image" opens the file chooser; its hidden input alone does not load the canvas.
+    with page.expect_file_chooser() as chooser:
+        page.locator("#picture").get_by_text("Upload an image").click()
+    chooser.value.set_files(str(path))
+
+
+def test_image_to_image_and_inpainting_with_a_painted_mask(page, tmp_path_factory):
     from PIL import Image, ImageDraw
     from playwright.sync_api import expect
 
-    folder = tmp_path_factory.mktemp("inpaint")
-    picture, mask = folder / "picture.png", folder / "mask.png"
-    start = Image.new("RGB", (64, 64), (30, 60, 200))
+    picture = tmp_path_factory.mktemp("picture") / "picture.png"
+    start = Image.new("RGB", (96, 64), (30, 60, 200))  # not the default size: the picture brings its own
     ImageDraw.Draw(start).ellipse((16, 16, 48, 48), fill=(220, 30, 30))
     start.save(picture)
-    holes = Image.new("L", (64, 64), 0)
-    ImageDraw.Draw(holes).rectangle((0, 0, 31, 63), fill=255)  # redraw the left half
-    holes.save(mask)
 
     expect(page.locator("#status")).to_contain_text("Ready", timeout=300_000)
-    page.get_by_text("Start from a picture").click()
-    page.locator("#mode").get_by_label("Inpaint").check()
-    page.locator("#picture input[type=file]").set_input_files(str(picture))
-    page.locator("#mask input[type=file]").set_input_files(str(mask))
-    expect(page.locator("#mask img").first).to_be_visible()
     _set_steps(page, 3)
-    page.get_by_label("Random seed").uncheck()
     page.get_by_label("Prompt", exact=True).fill("a yellow star on a purple background")
-    page.locator("#generate").click()
-    expect(page.locator("#info")).to_contain_text("strength 1", timeout=300_000)
-    captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
-    expect(captions.first).to_be_visible()
-    image = page.locator("#gallery img").first
-    assert image.evaluate("img => img.complete && img.naturalWidth === 64 && img.naturalHeight === 64")
+    page.get_by_text("Start from a picture").click()
+    _upload_picture(page, picture)
+    images = page.locator("#gallery img")
+    for mode, strength in (("Image to image", "0.6"), ("Inpaint", "1")):
+        page.locator("#mode").get_by_label(mode).check()
+        box = page.get_by_label("number input for Strength")
+        box.fill(strength)
+        box.press("Enter")
+        if mode == "Inpaint":  # paint over part of the picture with the brush
+            page.locator("#picture").get_by_role("button", name="Brush", exact=True).click()
+            canvas = page.locator("#picture canvas").first.bounding_box()
+            x, y = canvas["x"] + canvas["width"] / 2, canvas["y"] + canvas["height"] / 2
+            page.mouse.move(x - 20, y - 20)
+            page.mouse.down()
+            for k in range(10):
+                page.mouse.move(x - 20 + 4 * k, y - 20 + 4 * k)
+            page.mouse.up()
+        page.locator("#generate").click()
+        expect(page.locator("#info")).to_contain_text(f"strength {strength}", timeout=300_000)
+        expect(page.locator("#info")).to_contain_text("96×64")
+        captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
+        expect(captions.first).to_be_visible()
+        assert images.first.evaluate("img => img.complete && img.naturalWidth === 96 && img.naturalHeight === 64")
     page.locator("#mode").get_by_label("Text to image").check()  # the next test draws from text again
