@@ -180,6 +180,7 @@ def _upload_picture(page, path) -> None:
     with page.expect_file_chooser() as chooser:
         page.locator("#picture").get_by_text("Upload an image").click()
     chooser.value.set_files(str(path))
+    page.wait_for_timeout(2_000)  # the editor draws the picture on its canvas; it is sent with the request
 
 
 def test_image_to_image_and_inpainting_with_a_painted_mask(page, tmp_path_factory):
@@ -197,9 +198,11 @@ def test_image_to_image_and_inpainting_with_a_painted_mask(page, tmp_path_factor
     page.get_by_text("Start from a picture").click()
     _upload_picture(page, picture)
     images = page.locator("#gallery img")
-    for mode, strength in (("Image to image", "0.6"), ("Inpaint", "1")):
+    box = page.get_by_label("number input for Strength")
+    for mode, default, strength in (("Image to image", "0.8", "0.6"), ("Inpaint", "1", "0.9")):
         page.locator("#mode").get_by_label(mode).check()
-        box = page.get_by_label("number input for Strength")
+        expect(box).to_have_value(default)  # the mode's own default (diffusers'), set by the page
+        page.wait_for_timeout(500)
         box.fill(strength)
         box.press("Enter")
         if mode == "Inpaint":  # paint over part of the picture with the brush
