@@ -82,6 +82,7 @@ class RemoteEngine:
         self.model_name = d.model_name
         self.family = d.family
         self.variant = d.variant
+        self.controlnet = d.controlnet
         self.label = f"{d.label} · Ray Serve cluster"
         self.defaults = dict(d.defaults)
         self.limits = d.limits
@@ -98,6 +99,10 @@ class RemoteEngine:
     def connect(cls, handle: DeploymentHandle, model: str | None = None, retries: int = 1) -> RemoteEngine:
         """From plain (not async) code: asks one replica for its description, waiting until one is up."""
         return cls(handle, handle.describe.remote().result(), model=model, retries=retries)
+
+    def canny_image(self, image, low: int = 100, high: int = 200):
+        """The Canny edge map the page shows and sends as the control picture: computed here, next to the page."""
+        return engine.controlnet.canny_image(image, low, high)
 
     @property
     def ready(self) -> bool:

@@ -47,6 +47,7 @@ class Description:
     replica: str  # "replica 1"
     pid: int
     variant: engine.variants.Variant | None = None  # what the model is: the picture inputs it takes
+    controlnet: str | None = None  # the ControlNet's source, when the replicas loaded one
 
 
 def served_name(model: str | None) -> str:
@@ -74,6 +75,8 @@ class EngineReplica:
             max_batch_size=settings.max_batch_size,
             sizes=settings.engine_sizes(),
             chunk_steps=settings.chunk_steps,
+            controlnet=settings.controlnet,
+            loras=dict(settings.loras) or None,
         )
         n = settings.images_per_device * len(self.engine.devices)
         self.engine.start_warmup(num_images=n)
@@ -112,6 +115,7 @@ class EngineReplica:
             replica=self.name,
             pid=os.getpid(),
             variant=e.variant,
+            controlnet=e.controlnet,
         )
 
     def activity(self) -> dict:

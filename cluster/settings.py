@@ -23,6 +23,8 @@ class ClusterSettings:
     queue_size: int = 48  # requests waiting in the page's Gradio queue; more are refused at once
     concurrency: int = 64  # requests the page hands the replicas at once (Serve queues what they cannot take)
     retries: int = 1  # a request whose replica dies is drawn again on another replica this many times
+    controlnet: str | None = None  # a ControlNet folder or Hub id on every replica host, as app.py's --controlnet
+    loras: tuple[tuple[str, str], ...] = ()  # (name, path or Hub id) pairs, as app.py's --lora NAME=PATH
 
     @classmethod
     def from_args(cls, args: dict | None) -> ClusterSettings:
@@ -37,6 +39,11 @@ class ClusterSettings:
             sizes = [item.strip().lower().split("x") for item in sizes.split(",")]
         if isinstance(sizes, list | tuple):
             args["sizes"] = tuple(tuple(int(v) for v in pair) for pair in sizes)
+        loras = args.get("loras")
+        if isinstance(loras, dict):  # {name: path} in the YAML
+            args["loras"] = tuple((str(k), str(v)) for k, v in loras.items())
+        elif isinstance(loras, list | tuple):
+            args["loras"] = tuple(tuple(pair) for pair in loras)
         return cls(**args)
 
     def engine_sizes(self) -> str | list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from PIL import Image  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
 from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.serve.exceptions import BackPressureError  # noqa: E402
 
@@ -72,6 +73,11 @@ def test_the_serve_config_is_valid_and_builds_the_application():
         ({"sizes": "64x64, 96x64"}, ClusterSettings(sizes=((64, 64), (96, 64)))),
         ({"sizes": [[64, 64]], "max_batch_size": 2}, ClusterSettings(sizes=((64, 64),), max_batch_size=2)),
         ({"model": "stabilityai/sdxl-turbo"}, ClusterSettings(model="stabilityai/sdxl-turbo")),
+        (
+            {"controlnet": "cn", "loras": {"style": "style.safetensors", "ink": "ink"}},
+            ClusterSettings(controlnet="cn", loras=(("style", "style.safetensors"), ("ink", "ink"))),
+        ),
+        ({"loras": {}}, ClusterSettings()),
     ],
 )
 def test_settings_come_from_the_configs_args(args, expected):
@@ -187,6 +193,16 @@ def test_a_remote_request_streams_the_replicas_events_into_its_ticket():
     assert result.devices == ["replica 1 · cpu:0"] and result.seeds == [7]
     assert ticket.request.num_inference_steps == 4  # resolved against the replicas' defaults
     assert handle.models == ["the-model"]  # every call names the model, for the replica to check
+    remote.close()
+
+
+def test_the_page_over_a_cluster_draws_canny_edges_next_to_itself():
+    picture = Image.new("RGB", (64, 64), "black")
+    ImageDraw.Draw(picture).rectangle((16, 16, 48, 48), fill="white")
+    remote = RemoteEngine(FakeHandle(), dataclasses.replace(DESCRIPTION, controlnet="cn"))
+    edges = np.asarray(remote.canny_image(picture))
+    assert remote.controlnet == "cn"
+    assert edges.shape == (64, 64, 3) and edges[14:19, 30].max() == 255 and edges[32, 32].max() == 0
     remote.close()
 
 
