@@ -15,7 +15,8 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from engine import attention as attn
-from engine.layers import Conv, GroupNorm
+from engine import layers
+from engine.layers import Conv, GroupNorm, gathered_conv
 
 
 def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0):
@@ -142,3 +143,27 @@ def test_conv_is_flaxs(shape, out, kernel, padding):
     flax = nnx.Conv(shape[-1], out, (kernel, kernel), padding=pad, rngs=nnx.Rngs(0))
     flax.bias[...] = ours.bias[...] = jnp.asarray(r.randn(out).astype(np.float32))
     np.testing.assert_allclose(jax.jit(lambda x: ours(x))(x), flax(x), atol=2e-5, rtol=1e-5)
+
+
+
+def test_a_weight_heavy_convolution_is_gathered_and_still_flaxs(monkeypatch):
+    # Every kernel counts as heavy: 512 output pixels, which only the kernel-per-pixel rule gathers.
+    monkeypatch.setattr(layers, "GATHERED_CONV_MIN_KERNEL_BYTES_PER_PIXEL", 0)
+    test_conv_is_flaxs((2, 16, 16, 8), 8, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "pixels, channels, gathered",
+    [
+        (2 * 8 * 8, (1280, 1280), True),  # SD 1.5's lowest levels at 256x256: few pixels
+        (2 * 16 * 16, (1280, 1280), True),  # 59 MB of kernel for 512 pixels
+        (2 * 16 * 16, (1920, 640), True),
+        (2 * 16 * 16, (1280, 640), False),  # 58 KB a pixel: XLA's convolution is as fast
+        (2 * 32 * 32, (1280, 1280), False),
+        (2 * 32 * 32, (320, 320), False),
+    ],
+)
+def test_the_cpu_gathers_where_the_kernel_outweighs_the_pixels(pixels, channels, gathered):
+    kernel_bytes = 3 * 3 * channels[0] * channels[1] * 4
+    assert gathered_conv("cpu", pixels, kernel_bytes) is gathered
+    assert gathered_conv("gpu", pixels, kernel_bytes) is False
