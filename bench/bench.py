@@ -290,7 +290,63 @@ def bench_diffusers(
     return {**per_step(call, steps, reps), "warm_s": warm_s, "device": device, "threads": torch.get_num_threads()}
 
 
+def bench_diffusers_flax(
+    folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int, half: bool
+) -> dict:
+    """diffusers' last Flax UNet (0.35, installed apart with --flax-diffusers) in the old pipeline's jitted loop.
+
+    What `FlaxStableDiffusionPipeline._generate` ran per step: both guidance halves in one UNet call, the
+    guidance arithmetic and the Flax scheduler's step, in a `fori_loop` over a static step count. transformers 5
+    has no Flax CLIP, so the text embeddings are random and the fixed cost holds no text encoder or VAE: only
+    `step_ms` compares. The UNet's weights are the folder's, converted as diffusers' `from_pt` converted them.
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch  # only to read the folder's weights for the conversion
+    from diffusers import FlaxPNDMScheduler, FlaxUNet2DConditionModel
+    from diffusers.models.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+    from safetensors.torch import load_file
+
+    dtype = jnp.bfloat16 if half else jnp.float32  # as the old pipelines ran on accelerators
+    unet = FlaxUNet2DConditionModel.from_config(
+        FlaxUNet2DConditionModel.load_config(folder, subfolder="unet"), dtype=dtype
+    )
+    weights = folder / "unet" / f"diffusion_pytorch_model{'.fp16' if half else ''}.safetensors"
+    state = {k: v.float() for k, v in load_file(weights).items()}
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), convert_pytorch_state_dict_to_flax(state, unet))
+    del torch, state
+    scheduler, scheduler_params = FlaxPNDMScheduler.from_pretrained(folder, subfolder="scheduler")
+    latent = size // 8
+    shape = (images, unet.config.in_channels, latent, latent)
+    context = jax.random.normal(jax.random.PRNGKey(1), (2 * images, 77, unet.config.cross_attention_dim))
+
+    def generate(params, latents, num_steps: int):
+        state = scheduler.set_timesteps(scheduler_params, num_inference_steps=num_steps, shape=latents.shape)
+
+        def body(step, args):
+            latents, state = args
+            t = jnp.array(state.timesteps, dtype=jnp.int32)[step]
+            model_in = scheduler.scale_model_input(state, jnp.concatenate([latents] * 2), t)
+            timestep = jnp.broadcast_to(t, model_in.shape[0])
+            noise = unet.apply({"params": params}, model_in, timestep, encoder_hidden_states=context).sample
+            uncond, cond = jnp.split(noise, 2, axis=0)
+            noise = uncond + guidance * (cond - uncond)
+            return scheduler.step(state, noise, t, latents).to_tuple()
+
+        return jax.lax.fori_loop(0, num_steps, body, (latents * scheduler_params.init_noise_sigma, state))[0]
+
+    run = jax.jit(generate, static_argnums=2)
+    latents = jax.random.normal(jax.random.PRNGKey(0), shape)
+    start = time.perf_counter()
+    for n in steps:
+        run(params, latents, n).block_until_ready()
+    compile_s = time.perf_counter() - start
+    result = per_step(lambda n: run(params, latents, n).block_until_ready(), steps, reps)
+    return {**result, "compile_s": compile_s, "diffusers": __import__("diffusers").__version__}
+
+
 WORKER_ENV = dict(os.environ)  # as this process was started, before main() changes it
+FLAX_DIFFUSERS: Path | None = None  # --flax-diffusers
 
 
 def run_worker(system: str, folder: Path, case: tuple, accelerator: bool, cores: int | None = None) -> dict:
@@ -300,7 +356,10 @@ def run_worker(system: str, folder: Path, case: tuple, accelerator: bool, cores:
     command = [*pin, sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
     command += ["--size", str(size), "--guidance", str(guidance), "--steps", *map(str, steps), "--reps", str(reps)]
     command += ["--half"] if accelerator else []
-    done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
+    env = dict(WORKER_ENV)
+    if system == "diffusers_flax":  # diffusers 0.35 from its own folder, ahead of the installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FLAX_DIFFUSERS), env.get("PYTHONPATH")]))
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -310,6 +369,8 @@ def worker(args: argparse.Namespace) -> None:
     case = (args.images[0], args.size, args.guidance, tuple(args.steps), args.reps)
     if args.worker == "ours":
         result = bench_ours(args.folder, *case)
+    elif args.worker == "diffusers_flax":
+        result = bench_diffusers_flax(args.folder, *case, args.half)
     else:
         result = bench_diffusers(args.folder, *case, args.half, args.worker == "diffusers_compile")
     print(json.dumps(result), flush=True)
@@ -326,13 +387,21 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time diffusers with torch.compile")
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument(
+        "--flax-diffusers",
+        type=Path,
+        help="a folder holding diffusers 0.35 (pip install --no-deps --target DIR diffusers==0.35.2): also time its "
+        "Flax UNet in the old Flax pipeline's jitted loop (SD configs only)",
+    )
+    parser.add_argument(
         "--cores",
         type=int,
         help="pin each system to this many CPUs (both thread pools follow): on a shared machine, one core "
         "each keeps PyTorch's spinning thread barriers out of the comparison",
     )
     # A child process's part: one system, one case (see run_worker).
-    parser.add_argument("--worker", choices=["ours", "diffusers", "diffusers_compile"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["ours", "diffusers", "diffusers_compile", "diffusers_flax"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--guidance", type=float, help=argparse.SUPPRESS)
@@ -359,6 +428,10 @@ def main() -> None:
     systems = ["ours"] + (
         [] if args.skip_reference else ["diffusers"] + (["diffusers_compile"] if args.compile else [])
     )
+    if args.flax_diffusers:
+        global FLAX_DIFFUSERS
+        FLAX_DIFFUSERS = args.flax_diffusers.resolve()
+        systems.append("diffusers_flax")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         write_model(config, folder, half=accelerator)
@@ -371,6 +444,8 @@ def main() -> None:
             run.update(workers)
             for system in systems[1:]:
                 run[f"speedup_step_vs_{system}"] = run[system]["step_ms"] / run["ours"]["step_ms"]
+                if system == "diffusers_flax":
+                    continue  # its calls hold no text encoder or VAE
                 run[f"speedup_call_vs_{system}"] = (
                     run[system][f"call_{args.steps[1]}_steps_s"] / run["ours"][f"call_{args.steps[1]}_steps_s"]
                 )

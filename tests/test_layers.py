@@ -145,7 +145,6 @@ def test_conv_is_flaxs(shape, out, kernel, padding):
     np.testing.assert_allclose(jax.jit(lambda x: ours(x))(x), flax(x), atol=2e-5, rtol=1e-5)
 
 
-
 def test_a_weight_heavy_convolution_is_gathered_and_still_flaxs(monkeypatch):
     # Every kernel counts as heavy: 512 output pixels, which only the kernel-per-pixel rule gathers.
     monkeypatch.setattr(layers, "GATHERED_CONV_MIN_KERNEL_BYTES_PER_PIXEL", 0)
