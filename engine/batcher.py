@@ -120,14 +120,15 @@ class Batcher:
         blank: Callable[[Plan], Job],
         devices: list[str],
         lanes: NamedSharding,
-        preview: PreviewMap | None = None,
+        preview: Callable[[], PreviewMap | None] | None = None,
         chunk_steps: int = 1,
         max_waiting: int = 256,
         max_live_plans: int = 2,
         preview_every_s: float = 0.3,
         params_for: Callable[[tuple[float, ...]], object] | None = None,
     ):
-        """`params_for(lora_weights)`: the params a batch with those LoRA weights runs with (default: `params`)."""
+        """`params_for(lora_weights)`: the params a batch with those LoRA weights runs with (default: `params`).
+        `preview()`: the map that draws live previews, None until it is ready (it is fitted in the background)."""
         self.programs, self.params, self.devices = programs, params, devices
         self._params_for = params_for or (lambda weights: params)
         self._blank = blank  # plan -> the job whose row an empty slot holds: no steps to run
@@ -406,12 +407,13 @@ class Batcher:
         for job in jobs:
             n = len(job.seeds)
             job.ticket.emit(Progress(min(sum(job.steps.values()) // n, job.loop_steps), job.loop_steps))
-        if self.preview is not None and not finished:
-            self._previews(batch, jobs)
+        preview = self.preview() if self.preview is not None else None
+        if preview is not None and not finished:
+            self._previews(batch, jobs, preview)
         if finished:
             self._decode(batch, finished)
 
-    def _previews(self, batch: Batch, jobs: list[Job]) -> None:
+    def _previews(self, batch: Batch, jobs: list[Job], preview: PreviewMap) -> None:
         now = time.perf_counter()
         due = [j for j in jobs if now - j.last_preview >= self.preview_every_s]
         if not due:
@@ -420,7 +422,7 @@ class Batcher:
         for job in due:
             job.last_preview = now
             slots = [k for k, o in enumerate(batch.occupant) if o is not None and o[0] is job]
-            job.ticket.emit(Preview([self.preview(latents[k]) for k in slots]))
+            job.ticket.emit(Preview([preview(latents[k]) for k in slots]))
 
     def _decode(self, batch: Batch, finished: list[int]) -> None:
         width = self._width(batch, finished)

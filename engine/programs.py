@@ -1,7 +1,7 @@
 """The compiled programs of each `Plan` (admit, advance, decode), kept in a bounded cache and built off-thread.
 
-A plan is a static shape: its three programs are compiled ahead of time, together, on a compile thread
-of their own, so that a request for a new size never holds up the batches already running. The cache
+A plan is a static shape: its three programs are compiled ahead of time, together (each on a thread of its
+own), off the serving thread, so that a request for a new size never holds up the batches already running. The cache
 keeps at most `max_plans` plans; the least recently used one goes first, never a pinned one (the
 warm-up's). A batch keeps its own reference to the programs it runs, so an eviction never breaks it.
 JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
@@ -21,25 +21,38 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.stages import Compiled
+from jax.stages import Compiled, Lowered
 
 from . import pipeline
 from .pipeline import Plan, Slots
 
 log = logging.getLogger("jax-sd")
 
+COMPILE_PLANS = (
+    2  # plans compiled at once: the warm-up's two (guidance on and off), or a new size beside the crowd's width
+)
+
 
 @functools.cache
-def _disk_cache_hits() -> list[int]:
-    """Programs JAX loaded from its persistent cache instead of compiling; a listener registered on first use."""
-    hits = [0]
+def _disk_cache_hits() -> threading.local:
+    """Programs JAX loaded from its persistent cache instead of compiling, counted per thread (`.count`) by a
+    listener registered on first use: JAX reports a hit on the thread that asked for the program."""
+    hits = threading.local()
 
     def count(event: str, **_) -> None:
         if event == "/jax/compilation_cache/cache_hits":
-            hits[0] += 1
+            hits.count = getattr(hits, "count", 0) + 1
 
     jax.monitoring.register_event_listener(count)
     return hits
+
+
+def _compile(lowered: Lowered) -> tuple[Compiled, bool]:
+    """The program, and whether it was compiled (True) rather than loaded from the disk cache."""
+    hits = _disk_cache_hits()
+    before = getattr(hits, "count", 0)
+    compiled = lowered.compile()
+    return compiled, getattr(hits, "count", 0) == before
 
 
 def lane_widths(slots_per_device: int) -> tuple[int, ...]:
@@ -83,7 +96,7 @@ class CompiledPlan:
 
 
 class Programs:
-    """Plan -> CompiledPlan, bounded, least recently used first out; compiles on one background thread."""
+    """Plan -> CompiledPlan, bounded, least recently used first out; compiles on background threads."""
 
     def __init__(
         self,
@@ -107,8 +120,7 @@ class Programs:
         self._pending: dict[tuple[Plan, int], Future] = {}
         self._pinned: set[Plan] = set()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jax-sd-compile")
-        self._hits = _disk_cache_hits()
+        self._pool = ThreadPoolExecutor(COMPILE_PLANS, thread_name_prefix="jax-sd-compile")
 
     # -- the cache ------------------------------------------------------------------------
     def get(self, plan: Plan) -> CompiledPlan | None:
@@ -194,15 +206,27 @@ class Programs:
 
         def lower(fn, *args, out_shardings, donate=()):
             jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=out_shardings, donate_argnums=donate)
-            return jitted.lower(plan, width, self.graphdef, self.params, *args).compile()
+            return jitted.lower(plan, width, self.graphdef, self.params, *args)
 
-        start, hits = time.perf_counter(), self._hits[0]
+        start = time.perf_counter()
+        # Tracing holds the GIL, XLA's compiler does not: trace the three programs here, one after the
+        # other, then compile them at once, each on a thread of its own (mostly one core each).
+        lowered = (
+            lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
+            lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
+            self._lower_decode(plan, width, slots.x, every),
+        )
+        with ThreadPoolExecutor(len(lowered), thread_name_prefix="jax-sd-xla") as pool:
+            (admit, fresh_admit), (advance, fresh_advance), (decode, fresh_decode) = pool.map(_compile, lowered)
+        if self.checker is not None:
+            checker_params, compiled_decode = self.checker[1], decode
+            decode = lambda params, latents: compiled_decode(params, latents, checker_params)  # noqa: E731
         lanes = Lanes(
-            admit=lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
-            advance=lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
-            decode=self._lower_decode(plan, width, slots.x, every),
+            admit=admit,
+            advance=advance,
+            decode=decode,
             seconds=time.perf_counter() - start,
-            fresh=self._hits[0] - hits < 3,  # three programs; each one loaded from disk counts a hit
+            fresh=fresh_admit or fresh_advance or fresh_decode,
         )
 
         def empty() -> Slots:
@@ -210,20 +234,20 @@ class Programs:
 
         return lanes, empty
 
-    def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> Callable:
-        """decode_lanes with the safety checker's graph folded in (static) and its params as an argument."""
+    def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> Lowered:
+        """decode_lanes with the safety checker's graph folded in (static), lowered; with a checker, its params
+        are the program's last argument."""
         if self.checker is None:
             fn = functools.partial(pipeline.decode_lanes, checker=None)
             jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=(every, every))
-            return jitted.lower(plan, width, self.graphdef, self.params, latents).compile()
+            return jitted.lower(plan, width, self.graphdef, self.params, latents)
         checker_graphdef, checker_params = self.checker
 
         def decode(plan, width, graphdef, params, latents, checker_params):
             return pipeline.decode_lanes(plan, width, graphdef, params, latents, (checker_graphdef, checker_params))
 
         jitted = jax.jit(decode, static_argnums=(0, 1, 2), out_shardings=(every, every))
-        compiled = jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params).compile()
-        return lambda params, latents: compiled(params, latents, checker_params)
+        return jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -140,9 +141,15 @@ class Engine:
             model.graphdef, self.params, self._lanes, replicated, self._example, max_plans, checker=checker
         )
         self._blanks: dict[Plan, Job] = {}
-        self.preview: PreviewMap | None = None
-        if previews:  # fitted once, at load: one small VAE decode
-            self.preview = fit_preview(model.graphdef, self.params, model.latent_channels, model.family)
+        # Fitted once, in the background beside the warm-up (one small VAE decode, compiled unless cached):
+        # a request's first preview may come a moment later, Ready never does.
+        self._preview: Future | None = None
+        if previews:
+            self._preview = future = Future()
+            fit = (model.graphdef, self.params, model.latent_channels, model.family)
+            threading.Thread(
+                target=lambda: future.set_result(_fit_or_none(*fit)), name="jax-sd-preview", daemon=True
+            ).start()
         self.warmup_state = Warmup()
         self._batcher = Batcher(
             self.programs,
@@ -153,7 +160,7 @@ class Engine:
             chunk_steps=chunk_steps,
             max_waiting=max_waiting,
             max_live_plans=max_live_plans,
-            preview=self.preview,
+            preview=self._fitted_preview,
             params_for=lambda weights: self.loras.params(self.params, weights),
         )
         # The scheduler thread must not be mid-call into JAX while the interpreter shuts down.
@@ -181,6 +188,17 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self.warmup_state.done.is_set()
+
+    @property
+    def preview(self) -> PreviewMap | None:
+        """The live previews' map, waited for if it is still being fitted; None with previews off (or if the
+        fit failed: the log says why)."""
+        return None if self._preview is None else self._preview.result()
+
+    def _fitted_preview(self) -> PreviewMap | None:
+        """The preview map if it is ready, without waiting."""
+        done = self._preview is not None and self._preview.done()
+        return self._preview.result() if done else None
 
     # -- requests -> jobs ------------------------------------------------------------------
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
@@ -400,14 +418,18 @@ class Engine:
 
     def warmup(self, num_images: int | None = None) -> float:
         """Compiles the default shapes (kept in the cache for good); returns seconds."""
-        start = time.perf_counter()
-        for plan in self.warmup_plans(num_images):
-            # The default request's own width first: the first user never waits for a compiler.
+        start, plans = time.perf_counter(), self.warmup_plans(num_images)
+        widths = {plan: lane_widths(plan.slots_per_device) for plan in plans}
+        # The default request's own width first, every plan at once: the first user never waits for a compiler.
+        own = []
+        for plan in plans:
             n = self.images_per_device if num_images is None else -(-num_images // plan.devices)
-            widths = lane_widths(plan.slots_per_device)
-            own = min(w for w in widths if w >= min(n, plan.slots_per_device))
-            self.programs.compile(plan, [own], pin=True)
-            self.programs.request(plan, widths[-1])  # the crowd's width: in the background, after Ready
+            width = min(w for w in widths[plan] if w >= min(n, plan.slots_per_device))
+            own.append(self.programs.request(plan, width, pin=True))
+        for future in own:
+            future.result()
+        for plan in plans:  # the crowd's width: in the background, after Ready
+            self.programs.request(plan, widths[plan][-1])
         return time.perf_counter() - start
 
     def start_warmup(self, num_images: int | None = None) -> Engine:
@@ -429,6 +451,14 @@ class Engine:
     def close(self) -> None:
         self._batcher.close()
         self.programs.shutdown()
+
+
+def _fit_or_none(*args) -> PreviewMap | None:
+    try:
+        return fit_preview(*args)
+    except Exception:  # previews are a nicety: the engine serves on without them
+        log.exception("fitting the preview map failed; no live previews")
+        return None
 
 
 def _close_if_alive(ref: weakref.ref) -> None:

@@ -89,6 +89,7 @@ def test_a_late_request_starts_before_the_early_one_finishes(pipe):
 
 
 def test_each_request_sees_its_own_progress_and_previews_before_its_pictures(pipe):
+    assert pipe.preview is not None  # fitted in the background at load: previews start once it is
     got = events(pipe.submit(request(seed=7, num_inference_steps=8, height=64, width=88)))
     steps = [e.step for e in got if isinstance(e, Progress)]
     assert steps == sorted(steps) and steps[-1] == 8
