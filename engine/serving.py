@@ -404,7 +404,8 @@ class Engine:
 
     # -- start-up ---------------------------------------------------------------------------
     def warmup_plans(self, num_images: int | None = None) -> list[Plan]:
-        """The default size with guidance on and off: moving the guidance slider across 1 never compiles."""
+        """The default request's plan, then the same with guidance on or off the other way: moving the guidance
+        slider across 1 compiles nothing once the second one is done."""
         g = self.defaults["guidance_scale"]
         plans = []
         for guidance in (g, 1.0 if g > 1 else 7.5):
@@ -416,21 +417,23 @@ class Engine:
             plans.append(self.plan(r))
         return plans
 
-    def warmup(self, num_images: int | None = None) -> float:
-        """Compiles the default shapes (kept in the cache for good); returns seconds."""
-        start, plans = time.perf_counter(), self.warmup_plans(num_images)
-        widths = {plan: lane_widths(plan.slots_per_device) for plan in plans}
-        # The default request's own width first, every plan at once: the first user never waits for a compiler.
-        own = []
-        for plan in plans:
-            n = self.images_per_device if num_images is None else -(-num_images // plan.devices)
-            width = min(w for w in widths[plan] if w >= min(n, plan.slots_per_device))
-            own.append(self.programs.request(plan, width, pin=True))
-        for future in own:
-            future.result()
-        for plan in plans:  # the crowd's width: in the background, after Ready
-            self.programs.request(plan, widths[plan][-1])
-        return time.perf_counter() - start
+    def warmup(self, num_images: int | None = None, wait_for_all: bool = False) -> float:
+        """Compiles the default request's programs (kept for good) and returns the seconds that took: from then
+        on the default request never waits for a compiler. The rest, in the background: the other guidance
+        plan, then the crowd's width of both (`wait_for_all` waits for them too)."""
+        start, (default, other) = time.perf_counter(), self.warmup_plans(num_images)
+        n = self.images_per_device if num_images is None else -(-num_images // default.devices)
+        widths = lane_widths(default.slots_per_device)
+        own = min(w for w in widths if w >= min(n, default.slots_per_device))
+        # One plan at a time until Ready: XLA's CPU compiler already keeps two cores busy.
+        self.programs.request(default, own, pin=True).result()
+        seconds = time.perf_counter() - start
+        rest = [self.programs.request(other, own, pin=True)]
+        rest += [self.programs.request(plan, widths[-1]) for plan in (default, other)]
+        if wait_for_all:
+            for future in rest:
+                future.result()
+        return seconds
 
     def start_warmup(self, num_images: int | None = None) -> Engine:
         """`warmup` in a background thread; `ready` and `warmup_state` say how it went."""

@@ -229,7 +229,7 @@ def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
 
 def test_warmup_builds_guidance_on_and_off(tmp_path):
     pipe = load_pipeline()
-    pipe.warmup()
+    pipe.warmup(wait_for_all=True)
     for guidance in (0.0, 1.0, 3.0, 7.5):
         assert not pipe.generate("a", guidance_scale=guidance, num_inference_steps=2).compiled
 
