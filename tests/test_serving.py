@@ -106,6 +106,22 @@ def test_the_preview_map_is_fitted_to_the_models_vae(pipe):
     assert result.arrays.std() > 0.05
 
 
+def test_a_preview_map_that_cannot_be_fitted_leaves_the_engine_serving_without_previews(monkeypatch):
+    import engine.serving
+
+    def broken(*_):
+        raise RuntimeError("no VAE today")
+
+    monkeypatch.setattr(engine.serving, "fit_preview", broken)
+    alone_engine = load_pipeline(max_batch_size=1)
+    try:
+        got = events(alone_engine.submit(request(seed=3, num_inference_steps=3)))
+        assert alone_engine.preview is None
+        assert isinstance(got[-1], Finished) and not any(isinstance(e, Preview) for e in got)
+    finally:
+        alone_engine.close()
+
+
 def test_stop_frees_the_slots_and_the_others_finish_untouched(pipe):
     keep = request(seed=9, num_inference_steps=12)
     want = alone(pipe, keep)
