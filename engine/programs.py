@@ -28,9 +28,8 @@ from .pipeline import Plan, Slots
 
 log = logging.getLogger("jax-sd")
 
-COMPILE_PLANS = (
-    2  # plans compiled at once: the warm-up's two (guidance on and off), or a new size beside the crowd's width
-)
+# Plans compiled at once: after Ready, the other guidance plan beside the crowd's width; a new size beside either.
+COMPILE_PLANS = 2
 
 
 @functools.cache

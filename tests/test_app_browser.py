@@ -176,10 +176,22 @@ def test_live_mode_draws_once_per_pause_and_ends_on_the_final_text(page):
 
 
 def _upload_picture(page, path) -> None:
+    from playwright.sync_api import expect
+
     # The editor's own "Upload an image" opens the file chooser; its hidden input alone does not load the canvas.
-    with page.expect_file_chooser() as chooser:
-        page.locator("#picture").get_by_text("Upload an image").click()
-    chooser.value.set_files(str(path))
+    # On a busy machine the editor can drop a file chosen while it is still setting up its canvas (its
+    # placeholder then stays, and Generate is refused for want of a picture): choose it again.
+    placeholder = page.locator("#picture").get_by_text("Upload an image")
+    for _ in range(5):
+        with page.expect_file_chooser() as chooser:
+            placeholder.click()
+        chooser.value.set_files(str(path))
+        try:
+            expect(placeholder).to_be_hidden(timeout=10_000)
+            break
+        except AssertionError:
+            continue
+    expect(placeholder).to_be_hidden()
     page.wait_for_timeout(2_000)  # the editor draws the picture on its canvas; it is sent with the request
 
 
