@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                         pictures[name] = picture.copy()
                 except OSError as err:
                     raise InvalidRequest(f"cannot read --{name.split('_')[0]} {path}: {err}") from None
-        pipe = load_pipeline(args.model, dtype=args.dtype)
+        pipe = load_pipeline(args.model, dtype=args.dtype, previews=False)  # files only: nothing to preview
         result = pipe.generate(
             args.prompt,
             negative_prompt=args.negative,

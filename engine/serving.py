@@ -147,9 +147,8 @@ class Engine:
         if previews:
             self._preview = future = Future()
             fit = (model.graphdef, self.params, model.latent_channels, model.family)
-            threading.Thread(
-                target=lambda: future.set_result(_fit_or_none(*fit)), name="jax-sd-preview", daemon=True
-            ).start()
+            # Not a daemon: the interpreter waits for it at exit, rather than tear JAX down under it (a crash).
+            threading.Thread(target=lambda: future.set_result(_fit_or_none(*fit)), name="jax-sd-preview").start()
         self.warmup_state = Warmup()
         self._batcher = Batcher(
             self.programs,

@@ -273,3 +273,13 @@ def test_the_tokenizer_gives_77_ids_to_every_thread():
     for thread in threads:
         thread.join()
     assert shapes == {(1, 77)}
+
+
+def test_a_process_that_drops_its_engine_at_once_exits_cleanly(tmp_path):
+    # The preview map is still being fitted (in JAX) when this process ends: it must wait, not crash.
+    code = """
+        from engine import load_pipeline
+        pipe = load_pipeline()
+        print("loaded")
+        """
+    assert run_with_devices(1, code, tmp_path).split()[-1] == "loaded"
