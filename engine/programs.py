@@ -1,9 +1,9 @@
 """The compiled programs of each `Plan` (admit, advance, decode), kept in a bounded cache and built off-thread.
 
-A plan is a static shape: its three programs are compiled ahead of time, together (each on a thread of its
-own), off the serving thread, so that a request for a new size never holds up the batches already running. The cache
-keeps at most `max_plans` plans; the least recently used one goes first, never a pinned one (the
-warm-up's). A batch keeps its own reference to the programs it runs, so an eviction never breaks it.
+A plan is a static shape: its three programs are compiled ahead of time, together (each on a thread of
+its own), off the serving thread, so that a request for a new size never holds up the batches already
+running. The cache keeps at most `max_plans` plans; the least recently used one goes first, never a
+pinned one (the warm-up's). A batch keeps its own reference to the programs it runs, so an eviction never breaks it.
 JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
 """
 
