@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import modes, prompts, schedulers
+from . import modes, pairs, prompts, schedulers
 from .clip import CLIPTextModel
 from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
@@ -287,6 +287,7 @@ def advance(
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
         if plan.guidance:
             model_in, timesteps = _pair(model_in, model_in), _pair(timesteps, timesteps)
+        model_in = pairs.split_batch(model_in)  # over a core pair, when there is one; the networks follow
         residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
         model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
         out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids, *residuals)
@@ -335,7 +336,7 @@ def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) 
         x = x / vae_cfg.scaling_factor + vae_cfg.shift_factor
     else:
         x = x / vae_cfg.scaling_factor
-    images = models.vae.decode(x)
+    images = models.vae.decode(pairs.split_rows(x))
     return jnp.clip(images / 2 + 0.5, 0.0, 1.0)
 
 

@@ -54,6 +54,11 @@ def _compile(lowered: Lowered) -> tuple[Compiled, bool]:
     return compiled, getattr(hits, "count", 0) == before
 
 
+def _call_with_tail(program: Callable, tail: tuple, *args):
+    """`program(*args, *tail)`: a compiled program with its last arguments bound."""
+    return program(*args, *tail)
+
+
 def lane_widths(slots_per_device: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to the slots on a device: the widths a batch's programs come in."""
     widths = [1]
@@ -210,16 +215,17 @@ class Programs:
         start = time.perf_counter()
         # Tracing holds the GIL, XLA's compiler does not: trace the three programs here, one after the
         # other, then compile them at once, each on a thread of its own (mostly one core each).
-        lowered = (
-            lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
-            lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
-            self._lower_decode(plan, width, slots.x, every),
-        )
+        with jax.set_mesh(every.mesh):  # the programs see the mesh's axes (a core pair: engine/pairs.py)
+            lowered_decode, decode_args = self._lower_decode(plan, width, slots.x, every)
+            lowered = (
+                lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
+                lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
+                lowered_decode,
+            )
         with ThreadPoolExecutor(len(lowered), thread_name_prefix="jax-sd-xla") as pool:
             (admit, fresh_admit), (advance, fresh_advance), (decode, fresh_decode) = pool.map(_compile, lowered)
-        if self.checker is not None:
-            checker_params, compiled_decode = self.checker[1], decode
-            decode = lambda params, latents: compiled_decode(params, latents, checker_params)  # noqa: E731
+        if decode_args:
+            decode = functools.partial(_call_with_tail, decode, decode_args)
         lanes = Lanes(
             admit=admit,
             advance=advance,
@@ -233,20 +239,20 @@ class Programs:
 
         return lanes, empty
 
-    def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> Lowered:
-        """decode_lanes with the safety checker's graph folded in (static), lowered; with a checker, its params
-        are the program's last argument."""
+    def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> tuple[Lowered, tuple]:
+        """decode_lanes with the safety checker's graph folded in (static), lowered, and the arguments every
+        call passes after (params, latents): the checker's params, or none without a checker."""
         if self.checker is None:
             fn = functools.partial(pipeline.decode_lanes, checker=None)
             jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=(every, every))
-            return jitted.lower(plan, width, self.graphdef, self.params, latents)
+            return jitted.lower(plan, width, self.graphdef, self.params, latents), ()
         checker_graphdef, checker_params = self.checker
 
         def decode(plan, width, graphdef, params, latents, checker_params):
             return pipeline.decode_lanes(plan, width, graphdef, params, latents, (checker_graphdef, checker_params))
 
         jitted = jax.jit(decode, static_argnums=(0, 1, 2), out_shardings=(every, every))
-        return jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params)
+        return jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params), (checker_params,)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

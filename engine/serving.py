@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from PIL import Image
 
-from . import modes, schedulers
+from . import modes, pairs, schedulers
 from .batcher import Batcher, Job
 from .controlnet import attach_controlnet, canny_image, control_image_array, load_controlnet
 from .loading import LoadedModel, load_model_folder
@@ -87,9 +87,12 @@ class Engine:
         previews: bool = True,
         safety=None,
         loras: dict[str, LoRAFactors] | None = None,
+        core_pairs: bool | None = None,
     ):
         """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
-        None for any size in range. `max_batch_size` is rounded up to a multiple of the device count."""
+        None for any size in range. `max_batch_size` is rounded up to a multiple of the device count.
+        `core_pairs`: run each image on two CPU devices (engine/pairs.py); None: where `pair_cores()` asked
+        for them in this process."""
         self.model = model
         self.family = model.family  # "sd" or "sdxl"
         self.label = model.label  # "Stable Diffusion XL Turbo"
@@ -97,10 +100,17 @@ class Engine:
         self.example_prompts = list(model.example_prompts)
         self.images_per_device = images_per_device
         self._devices = list(devices or jax.devices())
-        self.devices = [_device_name(d) for d in self._devices]
-        n = len(self._devices)
+        if core_pairs is None:
+            core_pairs = pairs.asked() and pairs.paired(self._devices)
+        if core_pairs and not pairs.paired(self._devices):
+            raise ValueError(f"core pairs need an even number of CPU devices, not {self._devices}")
+        self.core_pairs = core_pairs
+        # A data group: the devices one image runs on (a core pair, or one device).
+        groups = np.array(self._devices).reshape(-1, 2 if core_pairs else 1)
+        self.devices = ["+".join(_device_name(d) for d in group) for group in groups]
+        n = len(groups)
         self.batch_size = -(-max(1, max_batch_size) // n) * n
-        self.mesh = Mesh(np.array(self._devices), ("data",))
+        self.mesh = Mesh(groups, ("data", pairs.PAIR)) if core_pairs else Mesh(groups[:, 0], ("data",))
         self._lanes = NamedSharding(self.mesh, P("data"))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
@@ -224,7 +234,7 @@ class Engine:
             family=self.family,
             clip_skip=int(r.clip_skip),
             chunks=chunks,
-            devices=len(self._devices),
+            devices=len(self.devices),
             control=r.controlled,
             mode=modes.mode_of(r.image, r.mask_image),
         )

@@ -106,16 +106,22 @@ def map_safetensors(file: Path) -> dict[str, np.ndarray]:
         header = json.loads(data[8 : 8 + length].tobytes())
     except (ValueError, UnicodeDecodeError) as err:
         raise WeightsError(f"{fail}: its header does not parse ({err})") from err
+    if not isinstance(header, dict):
+        raise WeightsError(f"{fail}: its header is not a table of tensors")
     start, tensors = 8 + length, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        try:
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape = tuple(int(size) for size in entry["shape"])
+        except (KeyError, TypeError, ValueError) as err:  # a missing field, or one of the wrong kind
+            raise WeightsError(f"{fail}: tensor {name}'s entry {entry!r} lacks dtype, shape or data_offsets") from err
         if dtype is None:
-            raise WeightsError(f"{file}: tensor {name} has dtype {entry.get('dtype')}, which this engine does not read")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != np.dtype(dtype).itemsize * int(np.prod(shape)) or start + end > data.size:
+            raise WeightsError(f"{file}: tensor {name} has dtype {entry['dtype']}, which this engine does not read")
+        size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        if not 0 <= begin <= end or end - begin != size or start + end > data.size:
             raise WeightsError(f"{fail}: tensor {name}'s bytes {begin}..{end} do not hold {shape} of {entry['dtype']}")
         tensors[name] = data[start + begin : start + end].view(dtype).reshape(shape)
     return tensors

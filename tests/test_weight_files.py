@@ -3,6 +3,8 @@ package sees, tensor for tensor and bit for bit; a broken file is refused by nam
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -54,14 +56,37 @@ def test_a_mapped_file_holds_what_the_safetensors_package_reads(dtype, tmp_path)
         assert not got[name].flags.writeable  # a view of the file: the engine never writes through it
 
 
+def with_header(header: object):
+    """A damage that replaces the file's JSON header with `header`, keeping the tensor bytes."""
+
+    def damage(data: bytes) -> bytes:
+        length = int.from_bytes(data[:8], "little")
+        text = json.dumps(header).encode()
+        return len(text).to_bytes(8, "little") + text + data[8 + length :]
+
+    return damage
+
+
 @pytest.mark.parametrize(
     "damage, says",
     [
         (lambda data: data[:5], "5 bytes"),
         (lambda data: data[:8] + b"{not json" + data[17:], "header does not parse"),
         (lambda data: data[:-4], "do not hold"),
+        (with_header({"w": {"dtype": "F32", "shape": [4, 4]}}), "lacks dtype, shape or data_offsets"),
+        (with_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": "0..16"}}), "lacks dtype"),
+        (with_header({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [64, 0]}}), "do not hold"),
+        (with_header(["w"]), "not a table of tensors"),
     ],
-    ids=["shorter than its header length", "header not JSON", "truncated tensor bytes"],
+    ids=[
+        "shorter than its header length",
+        "header not JSON",
+        "truncated tensor bytes",
+        "an entry without its offsets",
+        "offsets of the wrong kind",
+        "offsets backwards",
+        "header not a table",
+    ],
 )
 def test_a_broken_file_is_refused_by_name(damage, says, tmp_path):
     file = tmp_path / "model.safetensors"

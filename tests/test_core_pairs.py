@@ -1,0 +1,140 @@
+"""Core pairs (engine/pairs.py): an engine that splits each image's work over two CPU devices draws what
+diffusers draws, and what one device draws, for every kind of step the split takes.
+
+The split runs in a fresh interpreter with 4 CPU devices (two pairs); the reference pictures are drawn
+here, by diffusers from the same folder and latents.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tiny_pipeline
+from multidevice import run_with_devices
+from test_pipeline import SIZE, TOLERANCE, run_reference
+
+from engine import pairs
+
+# (variant, scheduler, guidance, images): what each image's UNet rows become on its pair.
+CASES = [
+    ("sd1", "pndm", 6.0, 1),  # a guided image: its two halves, one on each device
+    ("sd1", "euler_a", 6.0, 3),  # two images on the first pair, one on the second
+    ("sd1", "ddim", 1.0, 1),  # guidance off, one row: split by latent rows
+    ("turbo", "euler", 0.0, 2),  # one row on each pair, split by latent rows
+]
+PROMPT, NEGATIVE, STEPS = "a red circle on a blue background", "blurry photo", 3
+
+SPLIT = """
+import json
+import numpy as np
+import jax
+from PIL import Image
+from engine import load_pipeline
+
+cases, folders = json.loads({cases!r}), json.loads({folders!r})
+engines = {{}}
+for variant, scheduler, guidance, images in cases:
+    if variant not in engines:
+        paired = load_pipeline(folders[variant], core_pairs=True, previews=False)
+        one = load_pipeline(folders[variant], devices=jax.devices()[:1], core_pairs=False, previews=False)
+        engines[variant] = paired, one
+    paired, one = engines[variant]
+    assert paired.devices == ["cpu:0+cpu:1", "cpu:2+cpu:3"], paired.devices
+    latents = np.load(OUT / f"latents-{{images}}.npy")
+    settings = dict(negative_prompt={negative!r}, seed=7, num_inference_steps={steps}, guidance_scale=guidance,
+                    height={size}, width={size}, num_images=images, scheduler=scheduler, latents=latents)
+    got = paired.generate({prompt!r}, **settings)
+    assert set(got.devices) <= set(paired.devices), got.devices
+    np.save(OUT / f"{{variant}}-{{scheduler}}-{{images}}.npy", got.arrays)
+
+# Starting from a picture, and repainting half of it: the source's VAE encode and the blend, paired.
+paired, one = engines["sd1"]
+rng = np.random.default_rng(5)
+picture = Image.fromarray(rng.integers(0, 256, ({size}, {size}, 3), dtype=np.uint8))
+mask = Image.fromarray(np.where(np.arange({size})[None, :] < {size} // 2, 255, 0).astype(np.uint8).repeat({size}, 0))
+for name, extra in (("img2img", {{}}), ("inpaint", {{"mask_image": mask}})):
+    settings = dict(seed=11, num_inference_steps=4, guidance_scale=6.0, num_images=2, image=picture, strength=0.6, **extra)
+    np.save(OUT / f"{{name}}-paired.npy", paired.generate({prompt!r}, **settings).arrays)
+    np.save(OUT / f"{{name}}-one.npy", one.generate({prompt!r}, **settings).arrays)
+"""
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """The 4-device run's pictures (a folder of .npy), with the references' folders and pipelines."""
+    out = tmp_path_factory.mktemp("pairs")
+    references, folders = {}, {}
+    for variant in sorted({case[0] for case in CASES}):
+        folder = tmp_path_factory.mktemp(variant)
+        references[variant] = tiny_pipeline.write(variant, folder)
+        references[variant].saved_scheduler_config = references[variant].scheduler.config
+        folders[variant] = str(folder)
+    for images in {case[3] for case in CASES}:
+        rng = np.random.default_rng(images)
+        np.save(out / f"latents-{images}.npy", rng.standard_normal((images, 4, SIZE // 8, SIZE // 8)).astype("f4"))
+    code = SPLIT.format(
+        cases=json.dumps(CASES),
+        folders=json.dumps(folders),
+        prompt=PROMPT,
+        negative=NEGATIVE,
+        steps=STEPS,
+        size=SIZE,
+    )
+    run_with_devices(4, code, out, timeout=600)
+    return out, references
+
+
+@pytest.mark.parametrize("variant, scheduler, guidance, images", CASES)
+def test_paired_devices_draw_what_diffusers_draws(split_run, variant, scheduler, guidance, images):
+    out, references = split_run
+    latents = np.load(out / f"latents-{images}.npy")
+    seeds = [7 + k for k in range(images)]
+    want = run_reference(references[variant], scheduler, guidance, latents, seeds, STEPS, PROMPT, NEGATIVE)
+    got = np.load(out / f"{variant}-{scheduler}-{images}.npy")
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < TOLERANCE
+    assert got.std() > 0.01  # a real picture, not a constant that matches trivially
+
+
+@pytest.mark.parametrize("mode", ["img2img", "inpaint"])
+def test_paired_devices_start_from_a_picture_as_one_device_does(split_run, mode):
+    out, _ = split_run
+    paired, one = np.load(out / f"{mode}-paired.npy"), np.load(out / f"{mode}-one.npy")
+    np.testing.assert_allclose(paired, one, atol=1e-4)
+    assert paired.std() > 0.01
+
+
+def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
+    monkeypatch.setattr(pairs, "_backends_started", lambda: False)
+    monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", pairs.SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    assert pairs.pair_cores() and pairs.asked()
+    assert pairs.DEVICE_COUNT_FLAG + "=2" in pairs.os.environ["XLA_FLAGS"]
+
+    monkeypatch.setenv(pairs.SWITCH, "0")  # the user said no
+    monkeypatch.delenv("XLA_FLAGS")
+    assert not pairs.pair_cores() and "XLA_FLAGS" not in pairs.os.environ
+    monkeypatch.delenv(pairs.SWITCH)
+
+    monkeypatch.setenv("XLA_FLAGS", pairs.DEVICE_COUNT_FLAG + "=8")  # a device count chosen already
+    assert not pairs.pair_cores() and pairs.os.environ["XLA_FLAGS"] == pairs.DEVICE_COUNT_FLAG + "=8"
+    monkeypatch.delenv("XLA_FLAGS")
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # an accelerator asked for
+    assert not pairs.pair_cores()
+    monkeypatch.delenv("JAX_PLATFORMS")
+
+    monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0})  # one core: nothing to pair
+    assert not pairs.pair_cores()
+
+
+def test_core_pairs_need_an_even_number_of_cpu_devices():
+    import jax
+
+    from engine import load_pipeline
+
+    with pytest.raises(ValueError, match="even number of CPU devices"):
+        load_pipeline(devices=jax.devices()[:1], core_pairs=True, previews=False)
