@@ -511,7 +511,8 @@ def restore(history: list[dict], selected: gr.SelectData) -> list:
 
 def _status(pipe: Any) -> str:
     n = len(pipe.devices)
-    where = f"`{pipe.model_name}` on {n} device{'s' if n != 1 else ''} ({', '.join(pipe.devices)})"
+    unit = "core pair" if getattr(pipe, "core_pairs", False) else "device"  # engine/pairs.py
+    where = f"`{pipe.model_name}` on {n} {unit}{'s' if n != 1 else ''} ({', '.join(pipe.devices)})"
     slots = f"{pipe.batch_size} pictures drawn at once"
     state = pipe.warmup_state
     if not pipe.ready:
@@ -862,6 +863,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO)
 
+    engine.pairs.pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
     engine.enable_compile_cache()
     started = time.perf_counter()
     pipe = engine.load_pipeline(

@@ -57,8 +57,9 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def _device_name(device: jax.Device) -> str:
-    return f"{device.platform}:{device.id}"
+def _device_name(group) -> str:
+    """ "cpu:0" for one device, "cpu:0+1" for a core pair."""
+    return f"{group[0].platform}:" + "+".join(str(device.id) for device in group)
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ class Engine:
         self.core_pairs = core_pairs
         # A data group: the devices one image runs on (a core pair, or one device).
         groups = np.array(self._devices).reshape(-1, 2 if core_pairs else 1)
-        self.devices = ["+".join(_device_name(d) for d in group) for group in groups]
+        self.devices = [_device_name(group) for group in groups]
         n = len(groups)
         self.batch_size = -(-max(1, max_batch_size) // n) * n
         self.mesh = Mesh(groups, ("data", pairs.PAIR)) if core_pairs else Mesh(groups[:, 0], ("data",))

@@ -41,7 +41,7 @@ for variant, scheduler, guidance, images in cases:
         one = load_pipeline(folders[variant], devices=jax.devices()[:1], core_pairs=False, previews=False)
         engines[variant] = paired, one
     paired, one = engines[variant]
-    assert paired.devices == ["cpu:0+cpu:1", "cpu:2+cpu:3"], paired.devices
+    assert paired.devices == ["cpu:0+1", "cpu:2+3"], paired.devices
     latents = np.load(OUT / f"latents-{{images}}.npy")
     settings = dict(negative_prompt={negative!r}, seed=7, num_inference_steps={steps}, guidance_scale=guidance,
                     height={size}, width={size}, num_images=images, scheduler=scheduler, latents=latents)
