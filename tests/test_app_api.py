@@ -257,6 +257,8 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
         monkeypatch.setenv(name, value)
     seen = {}
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: seen.setdefault("cache", True))
+    # Asked for in a real start; here it would change this test process's own JAX devices.
+    monkeypatch.setattr(app.engine.pairs, "pair_cores", lambda: seen.setdefault("pairs", True))
 
     def load_pipeline(source=None, **serving):
         seen.update(model=source, **serving)
@@ -275,7 +277,7 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
     monkeypatch.setattr(gr.Blocks, "queue", record_queue)
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs))
     app.main(argv)
-    assert seen["cache"] and seen["warmup"] == 2  # one image on each of the two devices
+    assert seen["cache"] and seen["pairs"] and seen["warmup"] == 2  # one image on each of the two devices
     assert {key: seen[key] for key in expected} == expected
 
 

@@ -107,28 +107,33 @@ def test_paired_devices_start_from_a_picture_as_one_device_does(split_run, mode)
 
 
 def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
+    environ = {}  # this process's own environment stays as it is
+    monkeypatch.setattr(pairs.os, "environ", environ)
     monkeypatch.setattr(pairs, "_backends_started", lambda: False)
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS", pairs.SWITCH):
-        monkeypatch.delenv(name, raising=False)
     assert pairs.pair_cores() and pairs.asked()
-    assert pairs.DEVICE_COUNT_FLAG + "=2" in pairs.os.environ["XLA_FLAGS"]
+    assert environ == {"XLA_FLAGS": pairs.DEVICE_COUNT_FLAG + "=2", pairs.SWITCH: "1"}
+    assert pairs.pair_cores()  # a child process inherits the answer
 
-    monkeypatch.setenv(pairs.SWITCH, "0")  # the user said no
-    monkeypatch.delenv("XLA_FLAGS")
-    assert not pairs.pair_cores() and "XLA_FLAGS" not in pairs.os.environ
-    monkeypatch.delenv(pairs.SWITCH)
+    environ.clear()
+    environ[pairs.SWITCH] = "0"  # the user said no
+    assert not pairs.pair_cores() and "XLA_FLAGS" not in environ
 
-    monkeypatch.setenv("XLA_FLAGS", pairs.DEVICE_COUNT_FLAG + "=8")  # a device count chosen already
-    assert not pairs.pair_cores() and pairs.os.environ["XLA_FLAGS"] == pairs.DEVICE_COUNT_FLAG + "=8"
-    monkeypatch.delenv("XLA_FLAGS")
+    environ.clear()
+    environ["XLA_FLAGS"] = pairs.DEVICE_COUNT_FLAG + "=8"  # a device count chosen already
+    assert not pairs.pair_cores() and environ == {"XLA_FLAGS": pairs.DEVICE_COUNT_FLAG + "=8"}
 
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # an accelerator asked for
-    assert not pairs.pair_cores()
-    monkeypatch.delenv("JAX_PLATFORMS")
+    environ.clear()
+    environ["JAX_PLATFORMS"] = "cuda"  # an accelerator asked for
+    assert not pairs.pair_cores() and "XLA_FLAGS" not in environ
 
+    environ.clear()
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0})  # one core: nothing to pair
-    assert not pairs.pair_cores()
+    assert not pairs.pair_cores() and not environ
+
+    monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pairs, "_backends_started", lambda: True)  # too late: JAX has its devices
+    assert not pairs.pair_cores() and not environ
 
 
 def test_core_pairs_need_an_even_number_of_cpu_devices():
