@@ -1,8 +1,7 @@
 """Core pairs: on a CPU host, each image's work split over two XLA CPU devices.
 
-XLA's CPU backend runs one device's program on every core, an operation at a time; at Stable
-Diffusion's shapes a 2-core host then spends much of each step waiting between small operations.
-Two devices, each on the host's cores, run two halves of the work side by side. The engine's mesh then
+At Stable Diffusion's shapes one XLA CPU device does not keep two cores busy (measured, below); two
+devices, each given half of an image's work, do. The engine's mesh then
 has a second axis, `pair` (`Engine(pairs=True)`): slots are sharded over `data` as always and
 replicated over `pair`, and the programs split the heavy calls across the pair with sharding
 constraints, which XLA's SPMD partitioner carries through the network:
@@ -12,7 +11,9 @@ constraints, which XLA's SPMD partitioner carries through the network:
 - the VAE decode, by latent rows: convolutions exchange their edge rows, GroupNorm sums across both.
 
 Measured on 2 Zen 4 cores, SD 1.5's layout at a quarter width, 256x256: the guided UNet call 204-213
--> 152-168 ms; one image's VAE decode 279 -> 242 ms; a batch-1 UNet 132 -> 122 ms.
+-> 152-168 ms; one image's VAE decode 279 -> 242 ms; a batch-1 UNet 132 -> 122 ms; in the engine a
+guided step 238 -> 156-182 ms, a guidance-off step level (125-148 against 121-153 ms). What is not
+split (the text encoders at admission, the scheduler's arithmetic) runs whole on both devices.
 
 `pair_cores()` asks XLA for the two devices; it must run before JAX starts its backend (the app and
 the command line call it first thing). Without it, or off the CPU, nothing here changes a program.
