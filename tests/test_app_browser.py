@@ -75,7 +75,7 @@ def test_prompt_to_gallery(page, tmp_path_factory):
         image = images.nth(k)
         image.scroll_into_view_if_needed()
         assert image.evaluate("img => img.complete && img.naturalWidth > 0"), f"image {k} did not load"
-    captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
+    captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+(\+\d+)? · seed \d+$"))
     expect(captions).to_have_count(count)
     first = captions.first.bounding_box()
     assert first["y"] + first["height"] <= gallery_box["y"] + gallery_box["height"], "caption cut off"
@@ -123,7 +123,7 @@ def test_a_preview_appears_before_the_pictures_and_stop_stops(page):
     assert page.locator("#gallery").get_by_text(re.compile(r"· seed \d+$")).count() == 0
     _set_steps(page, 4)
     page.locator("#generate").click()
-    expect(page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$")).first).to_be_visible(
+    expect(page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+(\+\d+)? · seed \d+$")).first).to_be_visible(
         timeout=120_000
     )
 
@@ -229,7 +229,7 @@ def test_image_to_image_and_inpainting_with_a_painted_mask(page, tmp_path_factor
         page.locator("#generate").click()
         expect(page.locator("#info")).to_contain_text(f"strength {strength}", timeout=300_000)
         expect(page.locator("#info")).to_contain_text("96×64")
-        captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+ · seed \d+$"))
+        captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+(\+\d+)? · seed \d+$"))
         expect(captions.first).to_be_visible()
         assert images.first.evaluate("img => img.complete && img.naturalWidth === 96 && img.naturalHeight === 64")
     page.locator("#mode").get_by_label("Text to image").check()  # the next test draws from text again
