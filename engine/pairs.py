@@ -2,7 +2,7 @@
 
 At Stable Diffusion's shapes one XLA CPU device does not keep two cores busy (measured, below); two
 devices, each given half of an image's work, do. The engine's mesh then
-has a second axis, `pair` (`Engine(pairs=True)`): slots are sharded over `data` as always and
+has a second axis, `pair` (`Engine(core_pairs=True)`): slots are sharded over `data` as always and
 replicated over `pair`, and the programs split the heavy calls across the pair with sharding
 constraints, which XLA's SPMD partitioner carries through the network:
 
@@ -26,7 +26,7 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-PAIR = "pair"  # the mesh axis of a core pair
+DATA, PAIR = "data", "pair"  # the mesh's axes: slots over data groups, a group's core pair
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 SWITCH = "JAX_SD_CORE_PAIRS"  # "0": never; "1": on (set by pair_cores, inherited by child processes)
 
@@ -67,19 +67,19 @@ def active() -> bool:
     return PAIR in jax.sharding.get_abstract_mesh().axis_names
 
 
-def split_batch(x: jax.Array, data: str | None = "data") -> jax.Array:
+def split_batch(x: jax.Array) -> jax.Array:
     """`x` [batch, ...] with each data group's rows split over its pair: by rows when they are even, else
     by the second axis (latent rows of an NHWC batch). Unchanged off a paired mesh."""
     if not active():
         return x
-    groups = jax.sharding.get_abstract_mesh().shape.get(data, 1)
+    groups = jax.sharding.get_abstract_mesh().shape[DATA]
     if (x.shape[0] // groups) % 2 == 0:
-        return jax.lax.with_sharding_constraint(x, P((data, PAIR)))
-    return split_rows(x, data)
+        return jax.lax.with_sharding_constraint(x, P((DATA, PAIR)))
+    return split_rows(x)
 
 
-def split_rows(x: jax.Array, data: str | None = "data") -> jax.Array:
+def split_rows(x: jax.Array) -> jax.Array:
     """`x` [batch, rows, ...] split over the pair by its second axis; unchanged off a paired mesh."""
     if not active():
         return x
-    return jax.lax.with_sharding_constraint(x, P(data, PAIR))
+    return jax.lax.with_sharding_constraint(x, P(DATA, PAIR))

@@ -111,8 +111,8 @@ class Engine:
         self.devices = [_device_name(group) for group in groups]
         n = len(groups)
         self.batch_size = -(-max(1, max_batch_size) // n) * n
-        self.mesh = Mesh(groups, ("data", pairs.PAIR)) if core_pairs else Mesh(groups[:, 0], ("data",))
-        self._lanes = NamedSharding(self.mesh, P("data"))
+        self.mesh = Mesh(groups, (pairs.DATA, pairs.PAIR)) if core_pairs else Mesh(groups[:, 0], (pairs.DATA,))
+        self._lanes = NamedSharding(self.mesh, P(pairs.DATA))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
