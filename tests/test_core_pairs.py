@@ -58,6 +58,11 @@ for name, extra in (("img2img", {{}}), ("inpaint", {{"mask_image": mask}})):
     settings = dict(seed=11, num_inference_steps=4, guidance_scale=6.0, num_images=2, image=picture, strength=0.6, **extra)
     np.save(OUT / f"{{name}}-paired.npy", paired.generate({prompt!r}, **settings).arrays)
     np.save(OUT / f"{{name}}-one.npy", one.generate({prompt!r}, **settings).arrays)
+
+# An odd number of latent rows (72 pixels: 9), split unevenly; guidance off, so the UNet is split by rows too.
+odd = dict(seed=5, num_inference_steps=3, guidance_scale=1.0, num_images=2, height=72, width={size})
+np.save(OUT / "odd-rows-paired.npy", paired.generate({prompt!r}, **odd).arrays)
+np.save(OUT / "odd-rows-one.npy", one.generate({prompt!r}, **odd).arrays)
 """
 
 
@@ -143,3 +148,11 @@ def test_core_pairs_need_an_even_number_of_cpu_devices():
 
     with pytest.raises(ValueError, match="even number of CPU devices"):
         load_pipeline(devices=jax.devices()[:1], core_pairs=True, previews=False)
+
+
+def test_paired_devices_split_an_odd_number_of_latent_rows_as_one_device_draws(split_run):
+    out, _ = split_run
+    paired, one = np.load(out / "odd-rows-paired.npy"), np.load(out / "odd-rows-one.npy")
+    assert paired.shape == (2, 72, SIZE, 3)
+    np.testing.assert_allclose(paired, one, atol=1e-4)
+    assert paired.std() > 0.01
