@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -153,8 +154,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array
     return dot_product_attention(q, k, v).reshape(b, n, inner)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ProjectedContext:
+    """The text's keys and values for every cross-attention of a network, projected once.
+
+    `kv[i]` is the (keys, values) pair, each [batch, tokens, inner], of the attention whose `kv_index` is i
+    (`UNet2DConditionModel.project_context`). A request's text is the same at every step, so a server
+    projects it when the request is admitted instead of at every step; passed where the text's hidden
+    states go, it gives what they give.
+    """
+
+    kv: tuple[tuple[jax.Array, jax.Array], ...]
+
+
+Context = jax.Array | ProjectedContext  # what a cross-attention attends to
+
+
 class Attention(nnx.Module):
-    """diffusers `Attention`: self-attention when `cross_dim` is None, else cross-attention."""
+    """diffusers `Attention`: self-attention when `cross_dim` is None, else cross-attention.
+
+    A cross-attention that its network numbered (`kv_index`) also takes the context already projected.
+    """
 
     def __init__(
         self,
@@ -171,11 +192,20 @@ class Attention(nnx.Module):
         self.to_k = linear(cross_dim or query_dim, inner, rngs, bias)
         self.to_v = linear(cross_dim or query_dim, inner, rngs, bias)
         self.to_out = nnx.List([linear(inner, query_dim, rngs)])
+        self.kv_index: int | None = None  # its place in a ProjectedContext, set by the network that owns it
 
-    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
-        context = x if context is None else context
-        out = attention(self.to_q(x), self.to_k(context), self.to_v(context), self.heads)
-        return self.to_out[0](out)
+    def project(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The context's keys and values, [batch, tokens, inner] each."""
+        return self.to_k(context), self.to_v(context)
+
+    def __call__(self, x: jax.Array, context: Context | None = None) -> jax.Array:
+        if isinstance(context, ProjectedContext):
+            if self.kv_index is None:
+                raise TypeError("this attention takes the context's hidden states, not a ProjectedContext")
+            k, v = context.kv[self.kv_index]
+        else:
+            k, v = self.project(x if context is None else context)
+        return self.to_out[0](attention(self.to_q(x), k, v, self.heads))
 
 
 class GEGLU(nnx.Module):
@@ -207,7 +237,7 @@ class BasicTransformerBlock(nnx.Module):
         self.norm3 = layer_norm(dim, 1e-5, rngs)
         self.ff = FeedForward(dim, rngs)
 
-    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, context: Context) -> jax.Array:
         x = x + self.attn1(self.norm1(x))
         x = x + self.attn2(self.norm2(x), context)
         return x + self.ff(self.norm3(x))
@@ -239,7 +269,7 @@ class Transformer2DModel(nnx.Module):
         )
         self.proj_out = make_proj()
 
-    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, context: Context) -> jax.Array:
         b, h, w, c = x.shape
         residual = x
         x = self.norm(x)

@@ -24,6 +24,7 @@ from flax import nnx
 
 from . import modes, pairs, prompts, schedulers
 from .clip import CLIPTextModel
+from .layers import ProjectedContext
 from .unet import UNet2DConditionModel
 from .vae import AutoencoderKL
 
@@ -210,8 +211,8 @@ class Admission:
 class Slots:
     """A running batch: every image slot with its own latents, solver state, schedule, step, guidance and key.
 
-    Leading axis [batch] everywhere, except `cond`, which interleaves each slot's (uncond, cond) pair
-    into [2 * batch] rows when guidance is on. A slot whose `step` has reached its
+    Leading axis [batch] everywhere, except `cond` and `kv`, which interleave each slot's (uncond, cond)
+    pair into [2 * batch] rows when guidance is on. A slot whose `step` has reached its
     `tables.num_loop_steps` is finished (or empty) and no longer changes.
     """
 
@@ -222,6 +223,7 @@ class Slots:
     seeds: jax.Array  # [batch] uint32
     guidance_scale: jax.Array  # [batch] f32
     cond: Conditioning
+    kv: ProjectedContext  # cond.context projected once for every cross-attention of the UNet, rows as cond's
     control: jax.Array | None = None  # [batch, H, W, 3] with `plan.control`, else None
     control_scale: jax.Array | None = None  # [batch] f32
     kept: modes.Inpainting | None = None  # inpainting: mask and picture latents the steps read
@@ -245,7 +247,10 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, models.unet.config.in_channels)
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
-    return Slots(x, state, new.tables, step, new.seeds, new.guidance_scale, cond, new.control, new.control_scale, kept)
+    kv = models.unet.project_context(cond.context)  # once per request, not once per step
+    return Slots(
+        x, state, new.tables, step, new.seeds, new.guidance_scale, cond, kv, new.control, new.control_scale, kept
+    )
 
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
@@ -290,7 +295,7 @@ def advance(
         model_in = pairs.split_batch(model_in)  # over a core pair, when there is one; the networks follow
         residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
         model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
-        out = models.unet(model_in, timesteps, cond.context, cond.text_embeds, cond.time_ids, *residuals)
+        out = models.unet(model_in, timesteps, slots.kv, cond.text_embeds, cond.time_ids, *residuals)
         out = out.astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
@@ -308,7 +313,10 @@ def advance(
         return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32)
 
     x, state, step = jax.lax.fori_loop(0, num_steps, body, (slots.x, slots.state, slots.step))
-    slots = put_lanes(full, dataclasses.replace(slots, x=x, state=state, step=step), plan, lanes)
+    changed = put_lanes(
+        {"x": full.x, "state": full.state, "step": full.step}, {"x": x, "state": state, "step": step}, plan, lanes
+    )
+    slots = dataclasses.replace(full, **changed)  # the rest (text, projected text, schedules) passes through
     return slots, jnp.all(jnp.isfinite(slots.x), axis=(1, 2, 3))
 
 

@@ -1,7 +1,8 @@
 """The denoising UNet, mirroring diffusers' `UNet2DConditionModel` (SD 1.x, 2.x and XL layouts).
 
 Input and output are NHWC latents; `encoder_hidden_states` is the text encoder's
-[batch, tokens, cross_attention_dim]. SDXL's `text_time` conditioning adds
+[batch, tokens, cross_attention_dim], or the same already projected to every cross-attention's keys and
+values (`project_context`), as a server holds it for the steps of a request. SDXL's `text_time` conditioning adds
 `add_embedding(concat(pooled_text, sinusoid(time_ids)))` to the time embedding.
 """
 
@@ -13,7 +14,10 @@ from flax import nnx
 
 from .config import UNetConfig
 from .layers import (
+    Attention,
+    Context,
     Downsample2D,
+    ProjectedContext,
     ResnetBlock2D,
     TimestepEmbedding,
     Transformer2DModel,
@@ -60,7 +64,7 @@ class DownBlock(nnx.Module):
         is_final = index == cfg.num_blocks - 1
         self.downsamplers = None if is_final else nnx.List([Downsample2D(out_ch, cfg.downsample_padding, rngs)])
 
-    def __call__(self, x: jax.Array, temb: jax.Array, context: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    def __call__(self, x: jax.Array, temb: jax.Array, context: Context) -> tuple[jax.Array, list[jax.Array]]:
         skips = []
         for j, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
@@ -99,7 +103,7 @@ class UpBlock(nnx.Module):
         is_final = index == cfg.num_blocks - 1
         self.upsamplers = None if is_final else nnx.List([Upsample2D(out_ch, rngs)])
 
-    def __call__(self, x: jax.Array, skips: list[jax.Array], temb: jax.Array, context: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, skips: list[jax.Array], temb: jax.Array, context: Context) -> jax.Array:
         for j, resnet in enumerate(self.resnets):
             x = jnp.concatenate([x, skips.pop()], axis=-1)  # [batch, h, w, channels + skip_channels]
             x = resnet(x, temb)
@@ -128,7 +132,7 @@ class MidBlock(nnx.Module):
             rngs,
         )
 
-    def __call__(self, x: jax.Array, temb: jax.Array, context: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, temb: jax.Array, context: Context) -> jax.Array:
         x = self.resnets[0](x, temb)
         return self.resnets[1](self.attentions[0](x, context), temb)
 
@@ -157,12 +161,25 @@ class UNet2DConditionModel(nnx.Module):
         self.up_blocks = nnx.List(blocks)
         self.conv_norm_out = group_norm(ch0, cfg.norm_num_groups, cfg.norm_eps, rngs)
         self.conv_out = conv(ch0, cfg.out_channels, 3, rngs)
+        for index, attn in enumerate(self.cross_attentions()):
+            attn.kv_index = index
+
+    def cross_attentions(self) -> list[Attention]:
+        """Every cross-attention to the text, in the order a forward pass runs them."""
+        blocks = [*self.down_blocks, *([self.mid_block] if self.mid_block else []), *self.up_blocks]
+        transformers = [t for block in blocks for t in (block.attentions or [])]
+        return [b.attn2 for t in transformers for b in t.transformer_blocks]
+
+    def project_context(self, encoder_hidden_states: jax.Array) -> ProjectedContext:
+        """The text's keys and values for every cross-attention: what `__call__` takes in its place."""
+        context = encoder_hidden_states.astype(self.conv_in.kernel.dtype)
+        return ProjectedContext(tuple(attn.project(context) for attn in self.cross_attentions()))
 
     def __call__(
         self,
         sample: jax.Array,
         timesteps: jax.Array,
-        encoder_hidden_states: jax.Array,
+        encoder_hidden_states: jax.Array | ProjectedContext,
         text_embeds: jax.Array | None = None,
         time_ids: jax.Array | None = None,
         down_block_additional_residuals: tuple[jax.Array, ...] | None = None,
@@ -186,7 +203,9 @@ class UNet2DConditionModel(nnx.Module):
             time_emb = time_emb.reshape(b, -1)  # [batch, time_ids * addition_time_embed_dim]
             added = jnp.concatenate([text_embeds.astype(jnp.float32), time_emb], axis=-1)
             temb = temb + self.add_embedding(added.astype(dtype))
-        context = encoder_hidden_states.astype(dtype)
+        context = encoder_hidden_states
+        if not isinstance(context, ProjectedContext):
+            context = context.astype(dtype)
         x = sample.astype(dtype)
         if cfg.center_input_sample:
             x = 2 * x - 1.0

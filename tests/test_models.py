@@ -38,7 +38,8 @@ def ours_from_torch(make, torch_model):
 
 @pytest.mark.parametrize("layout", sorted(UNET_LAYOUTS))
 @pytest.mark.parametrize("size", [(16, 24), (9, 14)])  # the second is no multiple of 2**depth
-def test_unet_matches_diffusers(layout, size):
+@pytest.mark.parametrize("text", ["hidden states", "projected"])  # projected: as the server's steps pass it
+def test_unet_matches_diffusers(layout, size, text):
     ref = randomize(TorchUNet(**UNET_LAYOUTS[layout]))
     cfg = UNetConfig.from_dict(dict(ref.config))
     ours = ours_from_torch(lambda: UNet2DConditionModel(cfg, nnx.Rngs(0)), ref)
@@ -54,6 +55,9 @@ def test_unet_matches_diffusers(layout, size):
         torch_extra = dict(added_cond_kwargs={k: torch.from_numpy(v) for k, v in extra.items()})
     with torch.no_grad():
         want = ref(nchw(sample), torch.from_numpy(t), torch.from_numpy(context), **torch_extra).sample
+    if text == "projected":  # every cross-attention numbered, each reading its own keys and values
+        assert len(ours.cross_attentions()) == sum(name.endswith(".attn2") for name, _ in ref.named_modules())
+        context = ours.project_context(context)
     got = ours(sample, t, context, **extra)
     assert rel_error(got, nhwc(want)) < TOL
 
