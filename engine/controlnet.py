@@ -23,9 +23,9 @@ from flax import nnx
 from PIL import Image
 
 from .config import ConfigError, UNetConfig, _FromJson, _require
-from .layers import TimestepEmbedding, conv, timestep_embedding
+from .layers import ProjectedContext, TimestepEmbedding, as_context, conv, timestep_embedding
 from .sources import _WEIGHT_NAME, SourceError
-from .unet import DownBlock, MidBlock
+from .unet import DownBlock, MidBlock, number_cross_attentions, project_context
 from .weights import convert, read_safetensors
 
 UP_BLOCK_OF = {"CrossAttnDownBlock2D": "CrossAttnUpBlock2D", "DownBlock2D": "UpBlock2D"}
@@ -147,12 +147,17 @@ class ControlNetModel(nnx.Module):
         self.controlnet_down_blocks = nnx.List(heads)
         self.mid_block = MidBlock(ucfg, rngs)
         self.controlnet_mid_block = conv(ch, ch, 1, rngs)
+        number_cross_attentions([*self.down_blocks, self.mid_block])
+
+    def project_context(self, encoder_hidden_states: jax.Array) -> ProjectedContext:
+        """The text's keys and values for every cross-attention: what `__call__` takes in its place."""
+        return project_context([*self.down_blocks, self.mid_block], encoder_hidden_states, self.conv_in.kernel.dtype)
 
     def __call__(
         self,
         sample: jax.Array,
         timesteps: jax.Array,
-        encoder_hidden_states: jax.Array,
+        encoder_hidden_states: jax.Array | ProjectedContext,
         controlnet_cond: jax.Array,
         conditioning_scale: float | jax.Array = 1.0,
         text_embeds: jax.Array | None = None,
@@ -178,7 +183,7 @@ class ControlNetModel(nnx.Module):
             ).reshape(time_ids.shape[0], -1)  # [batch, time_ids * addition_time_embed_dim]
             added = jnp.concatenate([text_embeds.astype(jnp.float32), time_emb], axis=-1)
             temb = temb + self.add_embedding(added.astype(dtype))
-        context = encoder_hidden_states.astype(dtype)
+        context = as_context(encoder_hidden_states, dtype)
         cond = controlnet_cond.astype(dtype)
         if cfg.controlnet_conditioning_channel_order == "bgr":
             cond = cond[..., ::-1]

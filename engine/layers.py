@@ -171,6 +171,13 @@ class ProjectedContext:
 Context = jax.Array | ProjectedContext  # what a cross-attention attends to
 
 
+def as_context(encoder_hidden_states: Context, dtype) -> Context:
+    """A network's text input in its dtype; a ProjectedContext as it is (it was projected in that dtype)."""
+    if isinstance(encoder_hidden_states, ProjectedContext):
+        return encoder_hidden_states
+    return encoder_hidden_states.astype(dtype)
+
+
 class Attention(nnx.Module):
     """diffusers `Attention`: self-attention when `cross_dim` is None, else cross-attention.
 

@@ -227,6 +227,7 @@ class Slots:
     control: jax.Array | None = None  # [batch, H, W, 3] with `plan.control`, else None
     control_scale: jax.Array | None = None  # [batch] f32
     kept: modes.Inpainting | None = None  # inpainting: mask and picture latents the steps read
+    control_kv: ProjectedContext | None = None  # with `plan.control`: cond.context projected for the ControlNet
 
 
 def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -248,8 +249,20 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
     kv = models.unet.project_context(cond.context)  # once per request, not once per step
+    control_kv = models.controlnet.project_context(cond.context) if plan.control else None
     return Slots(
-        x, state, new.tables, step, new.seeds, new.guidance_scale, cond, kv, new.control, new.control_scale, kept
+        x,
+        state,
+        new.tables,
+        step,
+        new.seeds,
+        new.guidance_scale,
+        cond,
+        kv,
+        new.control,
+        new.control_scale,
+        kept,
+        control_kv,
     )
 
 
@@ -331,7 +344,7 @@ def _control_residuals(
     image, scale = slots.control, slots.control_scale
     if plan.guidance:  # the same picture and scale for both halves of each slot's pair
         image, scale = _pair(image, image), _pair(scale, scale)
-    return models.controlnet(model_in, timesteps, cond.context, image, scale, cond.text_embeds, cond.time_ids)
+    return models.controlnet(model_in, timesteps, slots.control_kv, image, scale, cond.text_embeds, cond.time_ids)
 
 
 def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:

@@ -22,10 +22,29 @@ from .layers import (
     TimestepEmbedding,
     Transformer2DModel,
     Upsample2D,
+    as_context,
     conv,
     group_norm,
     timestep_embedding,
 )
+
+
+def cross_attentions(blocks: list) -> list[Attention]:
+    """Every cross-attention to the text in `blocks` (down, mid, up; None skipped), in the order they run."""
+    spatial = [t for block in blocks if block is not None for t in (block.attentions or [])]
+    return [b.attn2 for t in spatial for b in t.transformer_blocks]
+
+
+def number_cross_attentions(blocks: list) -> None:
+    """Gives each cross-attention its place in the network's ProjectedContext."""
+    for index, attn in enumerate(cross_attentions(blocks)):
+        attn.kv_index = index
+
+
+def project_context(blocks: list, encoder_hidden_states: jax.Array, dtype) -> ProjectedContext:
+    """The text's keys and values for every cross-attention in `blocks`: what the network takes in its place."""
+    context = encoder_hidden_states.astype(dtype)
+    return ProjectedContext(tuple(attn.project(context) for attn in cross_attentions(blocks)))
 
 
 def transformers(cfg: UNetConfig, ch: int, heads: int, cross: int, depth: int, count: int, rngs: nnx.Rngs) -> nnx.List:
@@ -161,19 +180,18 @@ class UNet2DConditionModel(nnx.Module):
         self.up_blocks = nnx.List(blocks)
         self.conv_norm_out = group_norm(ch0, cfg.norm_num_groups, cfg.norm_eps, rngs)
         self.conv_out = conv(ch0, cfg.out_channels, 3, rngs)
-        for index, attn in enumerate(self.cross_attentions()):
-            attn.kv_index = index
+        number_cross_attentions(self._blocks())
+
+    def _blocks(self) -> list:
+        return [*self.down_blocks, self.mid_block, *self.up_blocks]
 
     def cross_attentions(self) -> list[Attention]:
         """Every cross-attention to the text, in the order a forward pass runs them."""
-        blocks = [*self.down_blocks, *([self.mid_block] if self.mid_block else []), *self.up_blocks]
-        transformers = [t for block in blocks for t in (block.attentions or [])]
-        return [b.attn2 for t in transformers for b in t.transformer_blocks]
+        return cross_attentions(self._blocks())
 
     def project_context(self, encoder_hidden_states: jax.Array) -> ProjectedContext:
         """The text's keys and values for every cross-attention: what `__call__` takes in its place."""
-        context = encoder_hidden_states.astype(self.conv_in.kernel.dtype)
-        return ProjectedContext(tuple(attn.project(context) for attn in self.cross_attentions()))
+        return project_context(self._blocks(), encoder_hidden_states, self.conv_in.kernel.dtype)
 
     def __call__(
         self,
@@ -203,9 +221,7 @@ class UNet2DConditionModel(nnx.Module):
             time_emb = time_emb.reshape(b, -1)  # [batch, time_ids * addition_time_embed_dim]
             added = jnp.concatenate([text_embeds.astype(jnp.float32), time_emb], axis=-1)
             temb = temb + self.add_embedding(added.astype(dtype))
-        context = encoder_hidden_states
-        if not isinstance(context, ProjectedContext):
-            context = context.astype(dtype)
+        context = as_context(encoder_hidden_states, dtype)
         x = sample.astype(dtype)
         if cfg.center_input_sample:
             x = 2 * x - 1.0

@@ -24,7 +24,7 @@ from engine.controlnet import (
     control_image_array,
     load_controlnet,
 )
-from engine.unet import UNet2DConditionModel
+from engine.unet import UNet2DConditionModel, cross_attentions
 from engine.weights import WeightsError, load_model
 
 TOL = 1e-4
@@ -102,10 +102,16 @@ def torch_residuals(controlnet, x: dict, scale: float = 1.0, guess_mode: bool = 
     "layout, size",
     [("sd1", (8, 8)), ("sd1", (9, 14)), ("sd2", (8, 8)), ("sdxl", (8, 8))],  # (9, 14): no multiple of 2**depth
 )
-def test_residuals_match_diffusers(saved, layout, size):
+@pytest.mark.parametrize("text", ["hidden states", "projected"])  # projected: as the server's steps pass it
+def test_residuals_match_diffusers(saved, layout, size, text):
     _, controlnet, _, ours = saved(layout)
     x = inputs(layout, size)
     want_down, want_mid = torch_residuals(controlnet, x, scale=0.7)
+    if text == "projected":
+        assert len(cross_attentions([*ours.down_blocks, ours.mid_block])) == sum(
+            name.endswith(".attn2") for name, _ in controlnet.named_modules()
+        )
+        x["encoder_hidden_states"] = ours.project_context(x["encoder_hidden_states"])
     down, mid = ours(**x, conditioning_scale=0.7)
     assert len(down) == len(want_down)
     for got, want in zip(down, want_down, strict=True):
