@@ -236,12 +236,14 @@ def per_step(call, steps: tuple[int, int], reps: int) -> dict:
     return {"step_ms": 1000 * step, "fixed_ms": 1000 * (lo - steps[0] * step), f"call_{steps[1]}_steps_s": hi}
 
 
-def bench_ours(folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int) -> dict:
+def bench_ours(
+    folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int, chunk_steps: int = 1
+) -> dict:
     from engine import load_pipeline
     from engine.pairs import pair_cores
 
     pair_cores()  # as the app and the command line run on a CPU host
-    pipe = load_pipeline(folder)
+    pipe = load_pipeline(folder, chunk_steps=chunk_steps)
     start = time.perf_counter()
     pipe.generate("warm up", num_images=images, height=size, width=size, num_inference_steps=1)
     compile_s = time.perf_counter() - start
@@ -352,13 +354,16 @@ WORKER_ENV = dict(os.environ)  # as this process was started, before main() chan
 FLAX_DIFFUSERS: Path | None = None  # --flax-diffusers
 
 
-def run_worker(system: str, folder: Path, case: tuple, accelerator: bool, cores: int | None = None) -> dict:
+def run_worker(
+    system: str, folder: Path, case: tuple, accelerator: bool, cores: int | None = None, chunk_steps: int = 1
+) -> dict:
     """One system's timings, measured in a fresh Python process (on the first `cores` CPUs, if given)."""
     images, size, guidance, steps, reps = case
     pin = ["taskset", "-c", f"0-{cores - 1}"] if cores else []
     command = [*pin, sys.executable, __file__, "--worker", system, "--folder", str(folder), "--images", str(images)]
     command += ["--size", str(size), "--guidance", str(guidance), "--steps", *map(str, steps), "--reps", str(reps)]
     command += ["--half"] if accelerator else []
+    command += ["--chunk-steps", str(chunk_steps)] if system == "ours" else []
     env = dict(WORKER_ENV)
     if system == "diffusers_flax":  # diffusers 0.35 from its own folder, ahead of the installed one
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FLAX_DIFFUSERS), env.get("PYTHONPATH")]))
@@ -371,7 +376,7 @@ def run_worker(system: str, folder: Path, case: tuple, accelerator: bool, cores:
 def worker(args: argparse.Namespace) -> None:
     case = (args.images[0], args.size, args.guidance, tuple(args.steps), args.reps)
     if args.worker == "ours":
-        result = bench_ours(args.folder, *case)
+        result = bench_ours(args.folder, *case, args.chunk_steps)
     elif args.worker == "diffusers_flax":
         result = bench_diffusers_flax(args.folder, *case, args.half)
     else:
@@ -407,6 +412,13 @@ def main() -> None:
         type=int,
         help="pin each system to this many CPUs (both thread pools follow): on a shared machine, one core "
         "each keeps PyTorch's spinning thread barriers out of the comparison",
+    )
+    parser.add_argument(
+        "--chunk-steps",
+        type=int,
+        default=1,
+        help="ours: steps a dispatch (the Engine's chunk_steps; the app runs 1): on a fast GPU a step may be "
+        "short enough for the host's round trip between chunks to show",
     )
     # A child process's part: one system, one case (see run_worker).
     parser.add_argument(
@@ -450,7 +462,10 @@ def main() -> None:
             case = (images, config["size"], guidance, tuple(args.steps), args.reps)
             load = os.getloadavg()[0]  # the machine is shared: the 1-minute load average around the run
             rounds = [
-                {system: run_worker(system, folder, case, accelerator, args.cores) for system in systems}
+                {
+                    system: run_worker(system, folder, case, accelerator, args.cores, args.chunk_steps)
+                    for system in systems
+                }
                 for _ in range(args.rounds)
             ]
             run = {"images": images, "cores": args.cores or os.cpu_count(), "load": [load, os.getloadavg()[0]]}

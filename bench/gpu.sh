@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements: the GPU tests, then SD1.5 and SDXL against diffusers.
 #
-#   bash bench/gpu.sh [tests|sd15|sdxl|all] [RESULTS_DIR]
+#   bash bench/gpu.sh [tests|sd15|chunks|sdxl|all] [RESULTS_DIR]
 #
 # Each part takes a few minutes (SD1.5 also times diffusers with torch.compile); run them as
 # separate commands where one command's time is limited. On a machine with no network, put
@@ -25,6 +25,9 @@ if [[ $part == tests || $part == all ]]; then
 fi
 if [[ $part == sd15 || $part == all ]]; then
   python3 bench/bench.py --config sd15 --images 1 8 --compile | tee "$results/sd15.json"
+fi
+if [[ $part == chunks || $part == all ]]; then  # ours alone, four steps a dispatch: the host's share of a step
+  python3 bench/bench.py --config sd15 --images 1 8 --skip-reference --chunk-steps 4 | tee "$results/sd15_chunks4.json"
 fi
 if [[ $part == sdxl || $part == all ]]; then
   python3 bench/bench.py --config sdxl --images 1 4 | tee "$results/sdxl.json"
