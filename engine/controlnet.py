@@ -23,9 +23,9 @@ from flax import nnx
 from PIL import Image
 
 from .config import ConfigError, UNetConfig, _FromJson, _require
-from .layers import ProjectedContext, TimestepEmbedding, as_context, conv, timestep_embedding
+from .layers import Attention, ProjectedContext, TimestepEmbedding, as_context, conv, timestep_embedding
 from .sources import _WEIGHT_NAME, SourceError
-from .unet import DownBlock, MidBlock, number_cross_attentions, project_context
+from .unet import DownBlock, MidBlock, cross_attentions, number_cross_attentions, project_context
 from .weights import convert, read_safetensors
 
 UP_BLOCK_OF = {"CrossAttnDownBlock2D": "CrossAttnUpBlock2D", "DownBlock2D": "UpBlock2D"}
@@ -147,11 +147,18 @@ class ControlNetModel(nnx.Module):
         self.controlnet_down_blocks = nnx.List(heads)
         self.mid_block = MidBlock(ucfg, rngs)
         self.controlnet_mid_block = conv(ch, ch, 1, rngs)
-        number_cross_attentions([*self.down_blocks, self.mid_block])
+        number_cross_attentions(self._blocks())
+
+    def _blocks(self) -> list:
+        return [*self.down_blocks, self.mid_block]
+
+    def cross_attentions(self) -> list[Attention]:
+        """Every cross-attention to the text, in the order a forward pass runs them."""
+        return cross_attentions(self._blocks())
 
     def project_context(self, encoder_hidden_states: jax.Array) -> ProjectedContext:
         """The text's keys and values for every cross-attention: what `__call__` takes in its place."""
-        return project_context([*self.down_blocks, self.mid_block], encoder_hidden_states, self.conv_in.kernel.dtype)
+        return project_context(self._blocks(), encoder_hidden_states, self.conv_in.kernel.dtype)
 
     def __call__(
         self,

@@ -102,7 +102,7 @@ def put_lanes(full: Any, part: Any, plan: Plan, lanes: int) -> Any:
 class Conditioning:
     """What the UNet is conditioned on, for a batch of prompts."""
 
-    context: jax.Array  # [batch, tokens, cross_attention_dim]
+    context: jax.Array | None  # [batch, tokens, cross_attention_dim]; None in Slots, which hold it projected
     text_embeds: jax.Array | None = None  # SDXL: pooled text embedding [batch, 1280]
     time_ids: jax.Array | None = None  # SDXL: [batch, 6] micro-conditioning
 
@@ -222,12 +222,12 @@ class Slots:
     step: jax.Array  # [batch] i32: the slot's next loop step
     seeds: jax.Array  # [batch] uint32
     guidance_scale: jax.Array  # [batch] f32
-    cond: Conditioning
-    kv: ProjectedContext  # cond.context projected once for every cross-attention of the UNet, rows as cond's
+    cond: Conditioning  # what the steps read besides the text (SDXL's pooled text and time ids); context None
+    kv: ProjectedContext  # the text projected once for every cross-attention of the UNet, rows as cond's
     control: jax.Array | None = None  # [batch, H, W, 3] with `plan.control`, else None
     control_scale: jax.Array | None = None  # [batch] f32
     kept: modes.Inpainting | None = None  # inpainting: mask and picture latents the steps read
-    control_kv: ProjectedContext | None = None  # with `plan.control`: cond.context projected for the ControlNet
+    control_kv: ProjectedContext | None = None  # with `plan.control`: the text projected for the ControlNet
 
 
 def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -250,6 +250,7 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     step = jnp.zeros(x.shape[:1], jnp.int32)
     kv = models.unet.project_context(cond.context)  # once per request, not once per step
     control_kv = models.controlnet.project_context(cond.context) if plan.control else None
+    cond = dataclasses.replace(cond, context=None)  # no step reads it again: the slots hold it projected
     return Slots(
         x,
         state,
