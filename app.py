@@ -32,12 +32,12 @@ from PIL import Image
 # transformers (the tokenizers) advises installing PyTorch on import; the app does not need it.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import engine  # noqa: E402
-from engine.pnginfo import GenerationParameters, png_info, save_png  # noqa: E402
+from engine.compat.pnginfo import GenerationParameters, png_info, save_png  # noqa: E402
 
 log = logging.getLogger("jax-sd")
 
 API_NAME = "generate"  # gradio_client: Client(url).predict(..., api_name="/generate")
-MAX_SEED = engine.request.SEED_LIMIT - 1
+MAX_SEED = engine.SEED_LIMIT - 1
 MAX_IMAGES_PER_DEVICE = engine.Limits.max_images_per_device
 
 EXAMPLE_PROMPTS = [
@@ -145,9 +145,9 @@ def _as_size(pipe: Any, value: Any) -> tuple[int, int]:
 MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
 
 
-def _variant(pipe: Any) -> engine.variants.Variant:
+def _variant(pipe: Any) -> engine.Variant:
     """What the model is (engine/variants.py); an engine that does not say is a text-to-image one."""
-    return getattr(pipe, "variant", None) or engine.variants.VARIANTS[0]
+    return getattr(pipe, "variant", None) or engine.VARIANTS[0]
 
 
 def mode_choices(pipe: Any) -> list[str]:
@@ -238,7 +238,7 @@ def parse_request(
     if not prompt:
         raise _refuse("Type a prompt first.")
     if _as_bool(random_seed) or (isinstance(seed, str) and seed.strip().lower() in ("", "random")):
-        seed = secrets.randbelow(engine.request.SEED_LIMIT)
+        seed = secrets.randbelow(engine.SEED_LIMIT)
     else:
         seed = _as_int(seed, "Seed")
     per_device = _as_int(images_per_device, "Images per device")
@@ -796,7 +796,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-batch-size",
         type=int,
-        default=engine.serving.DEFAULT_MAX_BATCH_SIZE,
+        default=engine.DEFAULT_MAX_BATCH_SIZE,
         help="pictures drawn at once over all devices (rounded up to a multiple of the device count)",
     )
     parser.add_argument(
@@ -863,7 +863,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO)
 
-    engine.pairs.pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
+    engine.pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
     engine.enable_compile_cache()
     started = time.perf_counter()
     pipe = engine.load_pipeline(

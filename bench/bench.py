@@ -240,7 +240,7 @@ def bench_ours(
     folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int, chunk_steps: int = 1
 ) -> dict:
     from engine import load_pipeline
-    from engine.pairs import pair_cores
+    from engine.sampling.pairs import pair_cores
 
     pair_cores()  # as the app and the command line run on a CPU host
     pipe = load_pipeline(folder, chunk_steps=chunk_steps)

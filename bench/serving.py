@@ -35,7 +35,7 @@ def measure(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from engine import GenerationRequest, load_pipeline
-    from engine.programs import lane_widths
+    from engine.serving.programs import lane_widths
 
     pipe = load_pipeline(args.folder, max_batch_size=args.slots)
     config = CONFIGS[args.config]

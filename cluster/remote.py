@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 import engine
-from engine.ticket import cancelled
+from engine.serving.ticket import cancelled
 
 from .replica import Description
 
@@ -102,7 +102,7 @@ class RemoteEngine:
 
     def canny_image(self, image, low: int = 100, high: int = 200):
         """The Canny edge map the page shows and sends as the control picture: computed here, next to the page."""
-        return engine.controlnet.canny_image(image, low, high)
+        return engine.canny_image(image, low, high)
 
     @property
     def ready(self) -> bool:

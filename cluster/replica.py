@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ray import serve
 
 import engine
-from engine.ticket import Event
+from engine.serving.ticket import Event
 
 from .settings import ClusterSettings
 
@@ -46,7 +46,7 @@ class Description:
     warmup_error: str | None
     replica: str  # "replica 1"
     pid: int
-    variant: engine.variants.Variant | None = None  # what the model is: the picture inputs it takes
+    variant: engine.Variant | None = None  # what the model is: the picture inputs it takes
     controlnet: str | None = None  # the ControlNet's source, when the replicas loaded one
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.serving import DEFAULT_MAX_BATCH_SIZE
+from engine import DEFAULT_MAX_BATCH_SIZE
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,21 @@ Many users at once: `ticket = pipe.submit(GenerationRequest(...))`, then `ticket
 position, progress, previews, the result), `ticket.result()` or `ticket.cancel()`.
 """
 
-from .batcher import GenerationFailed
-from .request import Busy, Cancelled, GenerationRequest, GenerationResult, InvalidRequest, Limits
-from .serving import Engine, enable_compile_cache, load_pipeline
-from .sources import SourceError
-from .ticket import Failed, Finished, Preview, Progress, Queued, Ticket
-from .weights import WeightsError
+from .errors import Busy, Cancelled, GenerationFailed, InvalidRequest, SourceError, WeightsError
+from .families.variants import VARIANTS, Variant
+from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
+from .sampling.images import canny_image
+from .sampling.pairs import pair_cores
+from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine, enable_compile_cache, load_pipeline
+from .serving.ticket import Failed, Finished, Preview, Progress, Queued, Ticket
 
 __all__ = [
+    "DEFAULT_MAX_BATCH_SIZE",
+    "SEED_LIMIT",
+    "VARIANTS",
+    "Variant",
+    "canny_image",
+    "pair_cores",
     "Busy",
     "Cancelled",
     "Engine",

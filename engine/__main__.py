@@ -53,8 +53,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, load_pipeline
-    from .pairs import pair_cores
-    from .pnginfo import GenerationParameters, save_png
+    from .compat.pnginfo import GenerationParameters, save_png
+    from .sampling.pairs import pair_cores
 
     pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
     enable_compile_cache()

@@ -16,19 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from .errors import InvalidRequest
+
 SEED_LIMIT = 2**32  # seeds are uint32, as PRNGKey takes them
-
-
-class InvalidRequest(ValueError):
-    """Bad user input; the message says what to change."""
-
-
-class Busy(RuntimeError):
-    """The engine's waiting room is full; the message says to try again shortly."""
-
-
-class Cancelled(RuntimeError):
-    """The request was stopped (Stop button, closed tab, or `Ticket.cancel`)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.config import ConfigError, _FromJson
+from .errors import ConfigError
+from .models.config import _FromJson
 
 Array = jax.Array
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 import app
 import engine
-from engine.pnginfo import GenerationParameters, png_info, save_png
+from engine.compat.pnginfo import GenerationParameters, png_info, save_png
 from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
@@ -31,12 +31,12 @@ class FakeEngine:
 
     defaults = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "ddim"}
     family = "sd"
-    variant = engine.variants.VARIANTS[0]  # text-to-image SD: every mode
+    variant = engine.families.variants.VARIANTS[0]  # text-to-image SD: every mode
     model_name = "fake"
     devices = ["cpu:0", "cpu:1"]
     batch_size = 4
     ready = True
-    warmup_state = engine.serving.Warmup(seconds=1.0)
+    warmup_state = engine.serving.engine.Warmup(seconds=1.0)
     example_prompts = ["a red circle on a blue background", "Armchair in the shape of an avocado"]
     limits = engine.Limits(
         schedulers=("pndm", "ddim"),
@@ -258,7 +258,7 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
     seen = {}
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: seen.setdefault("cache", True))
     # Asked for in a real start; here it would change this test process's own JAX devices.
-    monkeypatch.setattr(app.engine.pairs, "pair_cores", lambda: seen.setdefault("pairs", True))
+    monkeypatch.setattr(app.engine, "pair_cores", lambda: seen.setdefault("pairs", True))
 
     def load_pipeline(source=None, **serving):
         seen.update(model=source, **serving)

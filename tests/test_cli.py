@@ -9,7 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from engine.pnginfo import png_info
+from engine.compat.pnginfo import png_info
 
 ROOT = Path(__file__).resolve().parents[1]
 

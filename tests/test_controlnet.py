@@ -17,15 +17,13 @@ from PIL import Image
 from reference import UNET_LAYOUTS, nchw, nhwc, randomize, rel_error, state_dict_numpy
 from safetensors.numpy import load_file, save_file
 
-from engine.config import ConfigError, UNetConfig
-from engine.controlnet import (
-    ControlNetConfig,
-    canny_image,
-    control_image_array,
-    load_controlnet,
-)
-from engine.unet import UNet2DConditionModel
-from engine.weights import WeightsError, load_model
+from engine.errors import ConfigError, WeightsError
+from engine.loading.controlnet import load_controlnet
+from engine.loading.weights import load_model
+from engine.models.config import UNetConfig
+from engine.models.controlnet import ControlNetConfig
+from engine.models.unet import UNet2DConditionModel
+from engine.sampling.images import canny_image, control_image_array
 
 TOL = 1e-4
 # Three stride-2 steps as in every published ControlNet (16, 32, 96, 256): control images at 8x the latents.

@@ -15,7 +15,7 @@ import tiny_pipeline
 from multidevice import run_with_devices
 from test_pipeline import SIZE, TOLERANCE, run_reference
 
-from engine import pairs
+from engine.sampling import pairs
 
 # (variant, scheduler, guidance, images): what each image's UNet rows become on its pair.
 CASES = [

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine import load_pipeline
-from engine.sources import DEFAULT_MODEL
+from engine.loading.sources import DEFAULT_MODEL
 from tools import shapes
 from tools.evaluate import analyse, engine_drawer, evaluate
 

@@ -11,7 +11,7 @@ import pytest
 from multidevice import run_with_devices
 
 from engine import InvalidRequest, SourceError, WeightsError, load_pipeline
-from engine.sources import DEFAULT_MODEL, select_hub_files
+from engine.loading.sources import DEFAULT_MODEL, select_hub_files
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_every_shard_of_the_chosen_variant_is_fetched(variant):
 
 
 def test_a_local_folder_reads_every_shard(tmp_path):
-    from engine.sources import ModelFolder
+    from engine.loading.sources import ModelFolder
 
     unet = tmp_path / "unet"
     unet.mkdir()
@@ -259,7 +259,7 @@ def test_the_tokenizer_gives_77_ids_to_every_thread():
     # transformers sets padding and truncation on its shared tokenizer per call: threads must take turns.
     import threading
 
-    from engine.loading import Tokenizer
+    from engine.loading.folder import Tokenizer
 
     tokenizer, shapes = Tokenizer(DEFAULT_MODEL / "tokenizer"), set()
 

@@ -22,7 +22,7 @@ from reference import randomize
 from test_lora import write_loras
 
 from engine import GenerationRequest, InvalidRequest, Ticket, load_pipeline
-from engine.lora import LoRAError
+from engine.loading.lora import LoRAError
 
 SIZE, STEPS, GUIDANCE = 64, 3, 6.0
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"

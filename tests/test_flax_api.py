@@ -36,15 +36,15 @@ from multidevice import start_with_devices
 from reference import CLIP_LAYOUTS, UNET_LAYOUTS, randomize
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from engine import flax_api
-from engine.config import ConfigError
-from engine.flax_api import (
+from engine.compat import flax_api
+from engine.compat.flax_api import (
     FlaxDPMSolverMultistepScheduler,
     FlaxEulerDiscreteScheduler,
     FlaxPNDMScheduler,
     FlaxStableDiffusionPipeline,
     FlaxStableDiffusionXLPipeline,
 )
+from engine.errors import ConfigError
 from tools.tiny_tokenizer import write_tokenizer
 
 TOLERANCE = 1e-2
@@ -65,7 +65,7 @@ from jax import pmap
 from flax.jax_utils import replicate
 from flax.training.common_utils import shard
 
-from engine.flax_api import FlaxStableDiffusionPipeline  # changed: from diffusers import FlaxStableDiffusionPipeline
+from engine.compat.flax_api import FlaxStableDiffusionPipeline  # changed: from diffusers import FlaxStableDiffusionPipeline
 
 dtype = jnp.bfloat16
 pipeline, params = FlaxStableDiffusionPipeline.from_pretrained(
@@ -139,7 +139,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.jax_utils import replicate
-from engine.flax_api import FlaxStableDiffusionXLPipeline  # changed: from diffusers import FlaxStableDiffusionXLPipeline
+from engine.compat.flax_api import FlaxStableDiffusionXLPipeline  # changed: from diffusers import FlaxStableDiffusionXLPipeline
 import time
 
 pipeline, params = FlaxStableDiffusionXLPipeline.from_pretrained(
@@ -433,7 +433,7 @@ FAILURES = {  # what fails, and what its message names
         lambda sd, sdxl: _call(sd, params={**sd.params, "scheduler": FlaxEulerDiscreteScheduler().create_state()}),
         "scheduler=",
     ),
-    "old module": (lambda sd, sdxl: sd.pipeline.unet, "engine.unet.UNet2DConditionModel"),
+    "old module": (lambda sd, sdxl: sd.pipeline.unet, "engine.models.unet.UNet2DConditionModel"),
     "dpm of order 3": (lambda sd, sdxl: FlaxDPMSolverMultistepScheduler(solver_order=3), "solver_order=2"),
     "pndm with prk steps": (lambda sd, sdxl: FlaxPNDMScheduler(skip_prk_steps=False), "skip_prk_steps=True"),
     "sdxl output_type pil": (
@@ -456,7 +456,7 @@ def test_unsupported_calls_fail_naming_the_replacement(sd, sdxl, case):
 )
 def test_old_names_without_a_counterpart_fail_on_import(name, replacement):
     with pytest.raises(ImportError, match=replacement):
-        exec(f"from engine.flax_api import {name}")
+        exec(f"from engine.compat.flax_api import {name}")
 
 
 # The documents' results come last: their process runs while the tests above do.

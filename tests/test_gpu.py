@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import load_pipeline
-from engine.layers import attention, softmax_attention
+from engine.nn.layers import attention, softmax_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: JAX_PLATFORMS=cuda")
 

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from engine import attention as attn
-from engine import layers
-from engine.layers import Conv, GroupNorm, gathered_conv
+from engine.nn import attention as attn
+from engine.nn import layers
+from engine.nn.layers import Conv, GroupNorm, gathered_conv
 
 
 def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0):

@@ -23,11 +23,12 @@ from transformers import CLIPTextConfig as TorchCLIPConfig
 from transformers import CLIPTextModel as TorchCLIP
 from transformers import CLIPTextModelWithProjection as TorchCLIPProj
 
-from engine.clip import CLIPTextModel
-from engine.config import CLIPTextConfig, ConfigError, UNetConfig, VAEConfig
-from engine.unet import UNet2DConditionModel
-from engine.vae import AutoencoderKL
-from engine.weights import WeightsError, convert, export, load_model, read_safetensors
+from engine.errors import ConfigError, WeightsError
+from engine.loading.weights import convert, export, load_model, read_safetensors
+from engine.models.clip import CLIPTextModel
+from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig
+from engine.models.unet import UNet2DConditionModel
+from engine.models.vae import AutoencoderKL
 
 TOL = 1e-4
 

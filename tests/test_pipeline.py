@@ -23,7 +23,7 @@ from diffusers import (
 )
 
 from engine import load_pipeline
-from engine.pipeline import image_keys
+from engine.sampling.pipeline import image_keys
 
 TORCH_SCHEDULERS = {
     "pndm": (PNDMScheduler, {}),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine.pnginfo import (
+from engine.compat.pnginfo import (
     SAMPLER_NAMES,
     GenerationParameters,
     format_parameters,

@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 from reference import CLIP_COMMON, CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT
 
-from engine.clip import CLIPTextModel
-from engine.config import CLIPTextConfig, UNetConfig, VAEConfig
-from engine.layers import shapes_only
-from engine.unet import UNet2DConditionModel
-from engine.vae import AutoencoderKL
+from engine.models.clip import CLIPTextModel
+from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig
+from engine.models.unet import UNet2DConditionModel
+from engine.models.vae import AutoencoderKL
+from engine.nn.layers import shapes_only
 
 HEAVY_OPS = re.compile(r"stablehlo\.(convolution|dot_general)\b.*? : \((tensor<[^>]*>), (tensor<[^>]*>)\)")
 

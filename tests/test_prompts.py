@@ -29,9 +29,9 @@ from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize, rel_err
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from engine import schedulers
-from engine.loading import Tokenizer, load_model_folder
-from engine.pipeline import ENCODERS, Plan, decode, encode_prompts
-from engine.prompts import (
+from engine.loading.folder import Tokenizer, load_model_folder
+from engine.sampling.pipeline import ENCODERS, Plan, decode, encode_prompts
+from engine.sampling.prompts import (
     BREAK,
     align,
     apply_emphasis,
@@ -40,7 +40,7 @@ from engine.prompts import (
     tokenize_chunks,
     tokenize_prompt,
 )
-from engine.serving import Engine
+from engine.serving.engine import Engine
 from tools.tiny_tokenizer import write_tokenizer
 
 TOL = 1e-4

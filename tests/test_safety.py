@@ -27,10 +27,11 @@ from safetensors.numpy import load_file, save_file
 from transformers import CLIPConfig
 from transformers import CLIPImageProcessorPil as TorchImageProcessor
 
-from engine.config import ConfigError, FeatureExtractorConfig, SafetyCheckerConfig
-from engine.safety import SafetyChecker, check, load_safety_checker, pil_bicubic_resize, preprocess
-from engine.sources import select_hub_files
-from engine.weights import WeightsError
+from engine.errors import ConfigError, WeightsError
+from engine.loading.safety import load_safety_checker
+from engine.loading.sources import select_hub_files
+from engine.models.config import FeatureExtractorConfig, SafetyCheckerConfig
+from engine.models.safety import SafetyChecker, check, pil_bicubic_resize, preprocess
 
 TOL = 1e-4
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=8)

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import CLIPConfig
 
 from engine import load_pipeline
-from engine.sources import DEFAULT_MODEL
+from engine.loading.sources import DEFAULT_MODEL
 from tests._app_server import AppServer
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=8)
@@ -105,7 +105,7 @@ def test_the_page_shows_placeholders_or_with_the_flag_the_pictures(strict, tmp_p
 def test_the_flax_api_reports_flagged_pictures_as_the_old_pipeline_did(strict):
     import jax
 
-    from engine.flax_api import FlaxStableDiffusionPipeline
+    from engine.compat.flax_api import FlaxStableDiffusionPipeline
 
     pipeline, params = FlaxStableDiffusionPipeline.from_pretrained(strict)
     ids = pipeline.prepare_inputs(["a red circle"] * 2)

@@ -19,7 +19,7 @@ import torch
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 
 from engine import schedulers as S
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 MAX_STEPS = 32
 STEP_COUNTS = (1, 2, 4, 10, 25)  # 2-10 take DPM's lower-order final step; >= 4 reach PLMS's 4th order

@@ -27,8 +27,8 @@ from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize, rel_err
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from engine import InvalidRequest, load_pipeline
-from engine import sdxl as sdxl_parts
-from engine.pipeline import Plan, encode_sdxl
+from engine.families import sdxl as sdxl_parts
+from engine.sampling.pipeline import Plan, encode_sdxl
 from tools.tiny_tokenizer import write_tokenizer
 
 WORDS = ["a", "red", "circle", "on", "blue", "background", "photo", "blurry"]

@@ -107,12 +107,12 @@ def test_the_preview_map_is_fitted_to_the_models_vae(pipe):
 
 
 def test_a_preview_map_that_cannot_be_fitted_leaves_the_engine_serving_without_previews(monkeypatch):
-    import engine.serving
+    import engine.serving.engine
 
     def broken(*_):
         raise RuntimeError("no VAE today")
 
-    monkeypatch.setattr(engine.serving, "fit_preview", broken)
+    monkeypatch.setattr(engine.serving.engine, "fit_preview", broken)
     alone_engine = load_pipeline(max_batch_size=1)
     try:
         got = events(alone_engine.submit(request(seed=3, num_inference_steps=3)))

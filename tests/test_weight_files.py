@@ -14,9 +14,10 @@ from flax import nnx
 from reference import VAE_LAYOUT, randomize, state_dict_numpy
 from safetensors.torch import load_file, save_file
 
-from engine.config import VAEConfig
-from engine.vae import AutoencoderKL
-from engine.weights import ALIGNMENT, WeightsError, convert, map_safetensors
+from engine.errors import WeightsError
+from engine.loading.weights import ALIGNMENT, convert, map_safetensors
+from engine.models.config import VAEConfig
+from engine.models.vae import AutoencoderKL
 
 DTYPES = [
     torch.float32,

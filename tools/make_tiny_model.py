@@ -18,11 +18,11 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.clip import CLIPTextModel  # noqa: E402
-from engine.config import CLIPTextConfig, UNetConfig, VAEConfig  # noqa: E402
-from engine.unet import UNet2DConditionModel  # noqa: E402
-from engine.vae import AutoencoderKL  # noqa: E402
-from engine.weights import export  # noqa: E402
+from engine.loading.weights import export  # noqa: E402
+from engine.models.clip import CLIPTextModel  # noqa: E402
+from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig  # noqa: E402
+from engine.models.unet import UNet2DConditionModel  # noqa: E402
+from engine.models.vae import AutoencoderKL  # noqa: E402
 from tools.shapes import WORDS  # noqa: E402
 from tools.tiny_tokenizer import write_tokenizer  # noqa: E402
 

@@ -3,7 +3,7 @@
     python -m tools.train --out engine/assets/default --work runs/default
     python -m tools.train --out engine/assets/default --work runs/default --resume   # after an interruption
 
-The models are the engine's own (`engine.vae`, `engine.unet`, `engine.clip`) at the shapes of
+The models are the engine's own (`engine.models.vae`, `engine.models.unet`, `engine.models.clip`) at the shapes of
 `tools/make_tiny_model.py`, trained in f32 with optax; the result is a diffusers-format folder
 that `engine.load_pipeline` and diffusers' `StableDiffusionPipeline` both load.
 
@@ -37,10 +37,10 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import schedulers  # noqa: E402
-from engine.clip import CLIPTextModel  # noqa: E402
-from engine.loading import Tokenizer  # noqa: E402
-from engine.unet import UNet2DConditionModel  # noqa: E402
-from engine.vae import AutoencoderKL  # noqa: E402
+from engine.loading.folder import Tokenizer  # noqa: E402
+from engine.models.clip import CLIPTextModel  # noqa: E402
+from engine.models.unet import UNet2DConditionModel  # noqa: E402
+from engine.models.vae import AutoencoderKL  # noqa: E402
 from tools import shapes  # noqa: E402
 from tools.make_tiny_model import SCHEDULER, UNET, VAE, clip_config, write_model  # noqa: E402
 from tools.tiny_tokenizer import write_tokenizer  # noqa: E402

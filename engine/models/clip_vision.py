@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..nn.layers import attention, embed, layer_norm
 from .clip import CLIPMLP, CLIPAttention
 from .config import CLIPVisionConfig
-from .layers import attention, embed, layer_norm
 
 
 def bare_param(*shape: int) -> nnx.Param:

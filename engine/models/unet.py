@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import UNetConfig
-from .layers import (
+from ..nn.layers import (
     Attention,
     Context,
     Downsample2D,
@@ -27,6 +26,7 @@ from .layers import (
     group_norm,
     timestep_embedding,
 )
+from .config import UNetConfig
 
 
 def cross_attentions(blocks: list) -> list[Attention]:
@@ -205,7 +205,7 @@ class UNet2DConditionModel(nnx.Module):
     ) -> jax.Array:
         """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels].
 
-        The additional residuals are a ControlNet's (`engine.controlnet`): one per skip connection, added to
+        The additional residuals are a ControlNet's (`engine.models.controlnet`): one per skip connection, added to
         the skips, and one added to the mid block's output, as diffusers' UNet does.
         """
         cfg = self.config

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .config import ConfigError
-from .request import InvalidRequest
+from ..errors import ConfigError, InvalidRequest
 
 _SD_TEXT = dict(text_encoders=("text_encoder",), tokenizers=("tokenizer",))
 _SDXL_TEXT = dict(text_encoders=("text_encoder", "text_encoder_2"), tokenizers=("tokenizer", "tokenizer_2"))

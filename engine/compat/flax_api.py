@@ -1,7 +1,7 @@
 """diffusers' Flax pipelines kept alive on our engine: `FlaxStableDiffusionPipeline`, `FlaxStableDiffusionXLPipeline`.
 
 diffusers 0.40 deleted them. Code written for them runs here once its import line reads
-`from engine.flax_api import FlaxStableDiffusionPipeline` (or `FlaxStableDiffusionXLPipeline`, or a scheduler).
+`from engine.compat.flax_api import FlaxStableDiffusionPipeline` (or `FlaxStableDiffusionXLPipeline`, or a scheduler).
 The calls are the old ones: `from_pretrained` returns `(pipeline, params)`, `prepare_inputs` tokenizes, and
 `pipeline(prompt_ids, params, prng_seed, ..., jit=True)` runs `jax.pmap` over inputs sharded with
 `flax.training.common_utils.shard` and params replicated with `flax.jax_utils.replicate`;
@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import schedulers
+from .. import schedulers
+from ..loading.folder import LoadedModel, load_model_folder
+from ..sampling.pipeline import ENCODERS, Plan, decode
 from .flax_api_schedulers import (
     GONE_SCHEDULERS,
     FlaxDDIMScheduler,
@@ -41,8 +43,6 @@ from .flax_api_schedulers import (
     FlaxSchedulerState,
     for_kind,
 )
-from .loading import LoadedModel, load_model_folder
-from .pipeline import ENCODERS, Plan, decode
 
 log = logging.getLogger("jax-sd")
 
@@ -54,7 +54,7 @@ IGNORED_KEYWORDS = frozenset(
     " use_memory_efficient_attention low_cpu_mem_usage output_loading_info requires_safety_checker _do_init".split()
 )
 COMPONENTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet", "vae")
-_MODELS = "engine.clip.CLIPTextModel, engine.unet.UNet2DConditionModel and engine.vae.AutoencoderKL (Flax NNX)"
+_MODELS = "engine.models.clip.CLIPTextModel, engine.models.unet.UNet2DConditionModel and engine.models.vae.AutoencoderKL (Flax NNX)"
 # Old names with no counterpart here, and what to use instead.
 GONE = {
     **GONE_SCHEDULERS,
@@ -62,8 +62,8 @@ GONE = {
     "FlaxStableDiffusionInpaintPipeline": "diffusers' PyTorch StableDiffusionInpaintPipeline (no inpainting here)",
     "FlaxStableDiffusionControlNetPipeline": "diffusers' PyTorch StableDiffusionControlNetPipeline (no ControlNet here)",
     "FlaxDiffusionPipeline": "FlaxStableDiffusionPipeline or FlaxStableDiffusionXLPipeline",
-    "FlaxUNet2DConditionModel": f"{_MODELS}, which engine.loading.load_model_folder builds from a diffusers folder",
-    "FlaxAutoencoderKL": f"{_MODELS}, which engine.loading.load_model_folder builds from a diffusers folder",
+    "FlaxUNet2DConditionModel": f"{_MODELS}, which engine.loading.folder.load_model_folder builds from a diffusers folder",
+    "FlaxAutoencoderKL": f"{_MODELS}, which engine.loading.folder.load_model_folder builds from a diffusers folder",
 }
 _GONE_ATTRIBUTES = {
     **dict.fromkeys(COMPONENTS[:2] + COMPONENTS[4:], f"params[...] holds their weights; the models are {_MODELS}"),
@@ -75,8 +75,8 @@ _GONE_ATTRIBUTES = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in GONE:  # `from engine.flax_api import FlaxLMSDiscreteScheduler` fails with this message
-        raise ImportError(f"{name} is not provided by engine.flax_api: use {GONE[name]}")
+    if name in GONE:  # `from engine.compat.flax_api import FlaxLMSDiscreteScheduler` fails with this message
+        raise ImportError(f"{name} is not provided by engine.compat.flax_api: use {GONE[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -276,11 +276,11 @@ class _FlaxPipeline:
         if safety_checker not in ("folder", None):
             raise ValueError(
                 "passing a safety checker object is not supported: by default the folder's own safety_checker/ "
-                "runs (engine.safety); safety_checker=None turns it off"
+                "runs (engine.models.safety); safety_checker=None turns it off"
             )
         if scheduler is not None and not isinstance(scheduler, FlaxScheduler):
             raise TypeError(
-                f"scheduler={type(scheduler).__name__}: pass one of engine.flax_api's schedulers, e.g. "
+                f"scheduler={type(scheduler).__name__}: pass one of engine.compat.flax_api's schedulers, e.g. "
                 "FlaxDPMSolverMultistepScheduler.from_pretrained(model_id, subfolder='scheduler')[0]"
             )
         name = _dtype_name(dtype)
@@ -293,7 +293,7 @@ class _FlaxPipeline:
         params["scheduler"] = scheduler.create_state()
         pipeline = cls(model, scheduler, dtype)
         if safety_checker == "folder":  # as the old pipelines: the repository's own checker, when it ships one
-            from .safety import load_safety_checker
+            from ..loading.safety import load_safety_checker
 
             pipeline.safety_checker = load_safety_checker(
                 _source(pretrained_model_name_or_path, revision, variant, name)
@@ -393,7 +393,7 @@ class _FlaxPipeline:
         state = self.scheduler.create_state() if state is None else state
         if not isinstance(state, FlaxSchedulerState):
             raise TypeError(
-                f"params['scheduler'] is a {type(state).__name__}: use the state from engine.flax_api's schedulers "
+                f"params['scheduler'] is a {type(state).__name__}: use the state from engine.compat.flax_api's schedulers "
                 "(FlaxPNDMScheduler.from_pretrained(model_id, subfolder='scheduler') returns (scheduler, state))"
             )
         if state != self.scheduler.create_state():
@@ -481,7 +481,7 @@ class FlaxStableDiffusionPipeline(_FlaxPipeline):
         )
         nsfw = [False] * int(np.prod(images.shape[:-3]))
         if self.safety_checker is not None:  # flagged pictures come back black, as the old pipeline returned them
-            from .safety import check
+            from ..models.safety import check
 
             flat = np.asarray(images).reshape(-1, *images.shape[-3:])
             checker = self.safety_checker

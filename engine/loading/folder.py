@@ -22,14 +22,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import sdxl, variants
-from .clip import CLIPTextModel
-from .config import CLIPTextConfig, UNetConfig, VAEConfig
-from .pipeline import Models, Plan
-from .schedulers import SCHEDULERS, SchedulerConfig
+from ..families import sdxl, variants
+from ..models.clip import CLIPTextModel
+from ..models.config import CLIPTextConfig, UNetConfig, VAEConfig
+from ..models.unet import UNet2DConditionModel
+from ..models.vae import AutoencoderKL
+from ..sampling.pipeline import Models, Plan
+from ..schedulers import SCHEDULERS, SchedulerConfig
 from .sources import ModelFolder, resolve
-from .unet import UNet2DConditionModel
-from .vae import AutoencoderKL
 from .weights import convert, read_safetensors, rename_legacy
 
 # Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.

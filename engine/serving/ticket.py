@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .request import Cancelled, GenerationRequest, GenerationResult
+from ..errors import Cancelled
+from ..request import GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)

@@ -26,18 +26,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from PIL import Image
 
-from . import schedulers
-from .pipeline import Admission, Plan
-from .preview import PreviewMap
+from .. import schedulers
+from ..errors import Busy, Cancelled, GenerationFailed
+from ..request import GenerationResult
+from ..sampling.pipeline import Admission, Plan
+from ..sampling.preview import PreviewMap
 from .programs import CompiledPlan, Programs, lane_widths
-from .request import Busy, Cancelled, GenerationResult
 from .ticket import Failed, Finished, Preview, Progress, Queued, Ticket
 
 log = logging.getLogger("jax-sd")
-
-
-class GenerationFailed(RuntimeError):
-    """The engine could not draw a request's pictures; the message says why."""
 
 
 @dataclass

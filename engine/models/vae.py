@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..nn.layers import Attention, Downsample2D, ResnetBlock2D, Upsample2D, conv, group_norm
 from .config import VAEConfig
-from .layers import Attention, Downsample2D, ResnetBlock2D, Upsample2D, conv, group_norm
 
 VAE_EPS = 1e-6  # diffusers builds every VAE norm with this epsilon
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..nn.layers import embed, layer_norm, linear, softmax_attention
 from .config import CLIPTextConfig
-from .layers import embed, layer_norm, linear, softmax_attention
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 if TYPE_CHECKING:
-    from .request import GenerationRequest
+    from ..request import GenerationRequest
 
 CHUNK_KEY = "parameters"
 

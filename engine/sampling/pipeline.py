@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import modes, pairs, prompts, schedulers
-from .clip import CLIPTextModel
-from .layers import ProjectedContext
-from .unet import UNet2DConditionModel
-from .vae import AutoencoderKL
+from .. import schedulers
+from ..models.clip import CLIPTextModel
+from ..models.unet import UNet2DConditionModel
+from ..models.vae import AutoencoderKL
+from ..nn.layers import ProjectedContext
+from . import modes, pairs, prompts
 
 
 class Models(nnx.Module):
@@ -44,7 +45,7 @@ class Models(nnx.Module):
         self.text_encoder_2 = text_encoder_2
         self.unet = unet
         self.vae = vae
-        self.controlnet = controlnet  # engine.controlnet.ControlNetModel, when the server loaded one
+        self.controlnet = controlnet  # engine.models.controlnet.ControlNetModel, when the server loaded one
 
 
 @dataclass(frozen=True)
@@ -373,7 +374,7 @@ def decode_lanes(
     images = decode(plan, graphdef, params, take_lanes(x, plan, lanes))
     if checker is None:
         return images, jnp.zeros(images.shape[:1], bool)
-    from .safety import check  # the checker is optional: its module loads only where a model ships one
+    from ..models.safety import check  # the checker is optional: its module loads only where a model ships one
 
     checker_graphdef, checker_params = checker
     return images, check(checker_graphdef, checker_params, images).has_nsfw_concepts

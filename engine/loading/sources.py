@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .variants import PIPELINE_FAMILIES
+from ..errors import SourceError
+from ..families.variants import PIPELINE_FAMILIES
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = ASSETS / "default"
@@ -22,10 +23,6 @@ SAFETY_FEATURE_EXTRACTOR = "feature_extractor/preprocessor_config.json"  # the s
 _WEIGHT_NAME = re.compile(
     r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+?))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
 )
-
-
-class SourceError(ValueError):
-    """A model source that cannot be found, fetched or read."""
 
 
 @dataclass(frozen=True)

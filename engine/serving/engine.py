@@ -25,17 +25,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from PIL import Image
 
-from . import modes, pairs, schedulers
+from .. import schedulers
+from ..errors import InvalidRequest
+from ..loading.controlnet import attach_controlnet, load_controlnet
+from ..loading.folder import LoadedModel, load_model_folder
+from ..loading.lora import LoRAFactors, load_lora, lora_factors
+from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
+from ..sampling import modes, pairs
+from ..sampling.images import canny_image, control_image_array
+from ..sampling.pipeline import Admission, Plan
+from ..sampling.preview import PreviewMap, fit_preview
+from ..sampling.prompts import TokenizedPrompt, align, tokenize_prompt
 from .batcher import Batcher, Job
-from .controlnet import attach_controlnet, canny_image, control_image_array, load_controlnet
-from .loading import LoadedModel, load_model_folder
-from .lora import LoRAFactors, load_lora, lora_factors
 from .lora_serving import ServedLoRAs
-from .pipeline import Admission, Plan
-from .preview import PreviewMap, fit_preview
 from .programs import Programs, lane_widths
-from .prompts import TokenizedPrompt, align, tokenize_prompt
-from .request import GenerationRequest, GenerationResult, InvalidRequest, Limits, common_sizes
 from .ticket import Progress, Ticket
 
 log = logging.getLogger("jax-sd")
@@ -505,7 +508,7 @@ def load_pipeline(
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     checker = None
     if safety_checker:
-        from .safety import load_safety_checker
+        from ..loading.safety import load_safety_checker
 
         checker = load_safety_checker(source, dtype)
     engine = Engine(

@@ -18,10 +18,9 @@ from typing import Any, ClassVar
 
 import jax
 
-from . import schedulers
-from .config import ConfigError
-from .schedulers import SchedulerConfig
-from .sources import SourceError
+from .. import schedulers
+from ..errors import ConfigError, SourceError
+from ..schedulers import SchedulerConfig
 
 # Keywords old code passes to a scheduler's from_pretrained/from_config that mean nothing here.
 _IGNORED_OPTIONS = frozenset({"dtype", "revision", "cache_dir", "token", "use_auth_token", "local_files_only"})

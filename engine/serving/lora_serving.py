@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from .lora import LoRAFactors, apply_loras
+from ..loading.lora import LoRAFactors, apply_loras
 
 Weights = tuple[float, ...]  # one per loaded LoRA, in load order
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import CLIPTextConfig, ConfigError, UNetConfig
-from .pipeline import Plan
+from ..errors import ConfigError
+from ..models.config import CLIPTextConfig, UNetConfig
+from ..sampling.pipeline import Plan
 
 TIME_IDS = 6  # original (h, w), crop (top, left), target (h, w)
 

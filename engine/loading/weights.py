@@ -27,7 +27,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .layers import shapes_only
+from ..errors import WeightsError
+from ..nn.layers import shapes_only
 
 LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -59,10 +60,6 @@ SAFETENSORS_DTYPES = {
 }
 ALIGNMENT = 64  # bytes: XLA's CPU backend takes a host array in place when it is aligned this far
 LOAD_THREADS = min(8, os.cpu_count() or 1)
-
-
-class WeightsError(ValueError):
-    """A checkpoint that does not fit the model built from its config."""
 
 
 def checkpoint_name(path: tuple) -> str:

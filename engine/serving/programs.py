@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.stages import Compiled, Lowered
 
-from . import pipeline
-from .pipeline import Plan, Slots
+from ..sampling import pipeline
+from ..sampling.pipeline import Plan, Slots
 
 log = logging.getLogger("jax-sd")
 

@@ -12,9 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json that this engine cannot read or does not support."""
+from ..errors import ConfigError
 
 
 def _tupled(value: Any) -> Any:
