@@ -10,7 +10,7 @@ position, progress, previews, the result), `ticket.result()` or `ticket.cancel()
 """
 
 from .errors import Busy, Cancelled, GenerationFailed, InvalidRequest, SourceError, WeightsError
-from .families.variants import VARIANTS, Variant
+from .families import VARIANTS, Variant
 from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
 from .sampling.images import canny_image
 from .sampling.pairs import pair_cores

@@ -259,7 +259,7 @@ def test_the_tokenizer_gives_77_ids_to_every_thread():
     # transformers sets padding and truncation on its shared tokenizer per call: threads must take turns.
     import threading
 
-    from engine.loading.folder import Tokenizer
+    from engine.loading.tokenizer import Tokenizer
 
     tokenizer, shapes = Tokenizer(DEFAULT_MODEL / "tokenizer"), set()
 

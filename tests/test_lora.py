@@ -36,9 +36,10 @@ from safetensors.numpy import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from engine import schedulers
-from engine.loading.folder import load_model_folder
+from engine.families.loader import load_model_folder
+from engine.families.sd import encode as encode_sd
 from engine.loading.lora import LoRAError, apply_loras, load_lora, lora_factors
-from engine.sampling.pipeline import Plan, decode, encode_sd
+from engine.sampling.pipeline import Plan, decode
 from tools.tiny_tokenizer import write_tokenizer
 
 TOL = 1e-4

@@ -29,8 +29,10 @@ from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize, rel_err
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from engine import schedulers
-from engine.loading.folder import Tokenizer, load_model_folder
-from engine.sampling.pipeline import ENCODERS, Plan, decode, encode_prompts
+from engine.families import ENCODERS
+from engine.families.loader import load_model_folder
+from engine.loading.tokenizer import Tokenizer
+from engine.sampling.pipeline import Plan, decode, encode_prompts
 from engine.sampling.prompts import (
     BREAK,
     align,

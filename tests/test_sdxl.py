@@ -28,7 +28,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from engine import InvalidRequest, load_pipeline
 from engine.families import sdxl as sdxl_parts
-from engine.sampling.pipeline import Plan, encode_sdxl
+from engine.families.sdxl import encode as encode_sdxl
+from engine.sampling.pipeline import Plan
 from tools.tiny_tokenizer import write_tokenizer
 
 WORDS = ["a", "red", "circle", "on", "blue", "background", "photo", "blurry"]

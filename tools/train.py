@@ -37,7 +37,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import schedulers  # noqa: E402
-from engine.loading.folder import Tokenizer  # noqa: E402
+from engine.loading.tokenizer import Tokenizer  # noqa: E402
 from engine.models.clip import CLIPTextModel  # noqa: E402
 from engine.models.unet import UNet2DConditionModel  # noqa: E402
 from engine.models.vae import AutoencoderKL  # noqa: E402

@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 from .. import schedulers
-from ..loading.folder import LoadedModel, load_model_folder
-from ..sampling.pipeline import ENCODERS, Plan, decode
+from ..families import FAMILIES, sd, sdxl
+from ..families.loader import LoadedModel, load_model_folder
+from ..sampling.pipeline import Plan, decode
 from .flax_api_schedulers import (
     GONE_SCHEDULERS,
     FlaxDDIMScheduler,
@@ -62,8 +63,8 @@ GONE = {
     "FlaxStableDiffusionInpaintPipeline": "diffusers' PyTorch StableDiffusionInpaintPipeline (no inpainting here)",
     "FlaxStableDiffusionControlNetPipeline": "diffusers' PyTorch StableDiffusionControlNetPipeline (no ControlNet here)",
     "FlaxDiffusionPipeline": "FlaxStableDiffusionPipeline or FlaxStableDiffusionXLPipeline",
-    "FlaxUNet2DConditionModel": f"{_MODELS}, which engine.loading.folder.load_model_folder builds from a diffusers folder",
-    "FlaxAutoencoderKL": f"{_MODELS}, which engine.loading.folder.load_model_folder builds from a diffusers folder",
+    "FlaxUNet2DConditionModel": f"{_MODELS}, which engine.families.loader.load_model_folder builds from a diffusers folder",
+    "FlaxAutoencoderKL": f"{_MODELS}, which engine.families.loader.load_model_folder builds from a diffusers folder",
 }
 _GONE_ATTRIBUTES = {
     **dict.fromkeys(COMPONENTS[:2] + COMPONENTS[4:], f"params[...] holds their weights; the models are {_MODELS}"),
@@ -137,11 +138,10 @@ def _generate(
         guidance=True,
         family=spec.family,
     )
-    extra = {}
-    if spec.family == "sdxl":  # uncropped micro-conditioning at the generated size, as the old pipeline
-        size = jnp.array([spec.height, spec.width, 0, 0, spec.height, spec.width], jnp.float32)
-        extra = {"time_ids": jnp.tile(size, (b, 1)), "zero_negative": jnp.full((b,), neg_ids is None)}
-    encode = ENCODERS[spec.family]
+    family = FAMILIES[spec.family]
+    # SDXL: uncropped micro-conditioning at the generated size, as the old pipeline; no negative ids: zeros.
+    extra = family.extra_inputs({}, spec.vae_scale_factor)(plan, None if neg_ids is None else "")
+    encode = family.encode
     halves = (
         encode(models, ids if neg_ids is None else neg_ids, extra, plan, True),
         encode(models, ids, extra, plan, False),
@@ -286,7 +286,7 @@ class _FlaxPipeline:
         name = _dtype_name(dtype)
         model = load_model_folder(_source(pretrained_model_name_or_path, revision, variant, name), name)
         if model.family != cls.family:
-            other = "FlaxStableDiffusionXLPipeline" if model.family == "sdxl" else "FlaxStableDiffusionPipeline"
+            other = {c.family: c.__name__ for c in _FlaxPipeline.__subclasses__()}[model.family]
             raise ValueError(f"{model.name} is a {model.label} model: load it with {other}")
         scheduler = scheduler or for_kind(model.defaults["scheduler"], model.scheduler_config)
         params: dict[str, Any] = nnx.to_pure_dict(model.params)
@@ -442,7 +442,7 @@ class _FlaxPipeline:
 class FlaxStableDiffusionPipeline(_FlaxPipeline):
     """Stable Diffusion 1.x/2.x text-to-image with the API of diffusers' (deleted) Flax pipeline."""
 
-    family = "sd"
+    family = sd.FAMILY.name
     _ids_rank = 1
 
     def _negative(self, ids: Any, neg_ids: Any) -> Any:
@@ -494,7 +494,7 @@ class FlaxStableDiffusionPipeline(_FlaxPipeline):
 class FlaxStableDiffusionXLPipeline(_FlaxPipeline):
     """Stable Diffusion XL text-to-image with the API of diffusers' (deleted) Flax pipeline."""
 
-    family = "sdxl"
+    family = sdxl.FAMILY.name
     _ids_rank = 2
 
     def __call__(

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
-from ..families.variants import PIPELINE_FAMILIES
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = ASSETS / "default"
@@ -29,7 +28,7 @@ _WEIGHT_NAME = re.compile(
 class ModelFolder:
     root: Path
     name: str  # what the user asked for: "embedded default", a folder, or a Hub id
-    family: str  # "sd" or "sdxl"
+    class_name: str  # model_index.json's `_class_name`: the pipeline, which names the family
     index: dict
 
     def component(self, name: str) -> Path:
@@ -119,9 +118,4 @@ def resolve(source: str | Path | None = None, variant: str | None = None, safety
     if not index_path.is_file():
         raise SourceError(f"{name}: no model_index.json, so this is not a diffusers-format model folder")
     index = json.loads(index_path.read_text())
-    class_name = index.get("_class_name", "")
-    family = PIPELINE_FAMILIES.get(class_name)
-    if family is None:
-        known = ", ".join(PIPELINE_FAMILIES)
-        raise SourceError(f"{name}: model type {class_name!r} is not supported (supported: {known})")
-    return ModelFolder(root=root, name=name, family=family, index=index)
+    return ModelFolder(root=root, name=name, class_name=index.get("_class_name", ""), index=index)

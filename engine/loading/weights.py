@@ -35,7 +35,9 @@ LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bia
 # The exceptions, renamed before matching: names from older diffusers releases, and CLIP
 # text encoders written without their `text_model.` prefix (as transformers 5 saves them).
 LEGACY_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^(embeddings\.|encoder\.layers\.|final_layer_norm\.)", r"text_model.\1"),
+    # CLIP text encoders saved by transformers 5, without `text_model.` (only CLIP's layer names: TAESD's
+    # encoder has `encoder.layers.N` too).
+    (r"^(embeddings\.|encoder\.layers\.\d+\.(?:self_attn|mlp|layer_norm[12])\.|final_layer_norm\.)", r"text_model.\1"),
     # The safety checker's vision tower as transformers 5 saves it, without `vision_model.`'s inner one.
     (r"^vision_model\.(embeddings|encoder|pre_layrnorm|post_layernorm)\.", r"vision_model.vision_model.\1."),
     (r"(attentions\.\d+)\.query\.", r"\1.to_q."),

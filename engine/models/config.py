@@ -214,6 +214,73 @@ class VAEConfig(_FromJson):
         _require(self.act_fn == "silu", where, f"act_fn {self.act_fn!r} is not supported")
 
 
+TINY_VAE_ACTIVATIONS = ("relu", "silu", "swish", "gelu", "mish")  # diffusers' `get_activation` names
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoencoderTinyConfig(_FromJson):
+    """`AutoencoderTiny` config (TAESD: madebyollin/taesd, taesdxl, taesd3, taef1 config.json).
+
+    Beside `VAEConfig`'s names that the pipeline reads (`scaling_factor`, `shift_factor`, `latent_channels`,
+    `block_out_channels`, `force_upcast`), `latents_mean`/`latents_std` are None as diffusers finds them.
+    """
+
+    in_channels: int = 3
+    out_channels: int = 3
+    encoder_block_out_channels: tuple[int, ...] = (64, 64, 64, 64)
+    decoder_block_out_channels: tuple[int, ...] = (64, 64, 64, 64)
+    act_fn: str = "relu"
+    upsample_fn: str = "nearest"
+    latent_channels: int = 4
+    upsampling_scaling_factor: int = 2
+    num_encoder_blocks: tuple[int, ...] = (1, 3, 3, 3)
+    num_decoder_blocks: tuple[int, ...] = (3, 3, 3, 1)
+    latent_magnitude: float = 3  # scale_latents/unscale_latents only: latents <-> [0, 1] for storing as bytes
+    latent_shift: float = 0.5
+    force_upcast: bool = False
+    scaling_factor: float = 1.0  # TAESD/TAESDXL encode straight to the UNet's scaled latents
+    shift_factor: float = 0.0
+    # diffusers writes the decoder's widths here (`register_to_config`) whatever the file said; so do we.
+    block_out_channels: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_out_channels", self.decoder_block_out_channels)
+
+    latents_mean = None  # class attributes, not fields: no TAESD config.json carries them
+    latents_std = None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent along a side: 8 for TAESD (three upsamplings by 2)."""
+        return self.upsampling_scaling_factor ** (len(self.decoder_block_out_channels) - 1)
+
+    def validate(self, where: str) -> None:
+        for part in ("encoder", "decoder"):
+            widths, counts = getattr(self, f"{part}_block_out_channels"), getattr(self, f"num_{part}_blocks")
+            _require(
+                len(widths) == len(counts), where, f"{part}_block_out_channels and num_{part}_blocks differ in length"
+            )
+            _require(len(widths) >= 1, where, f"{part}_block_out_channels is empty")
+            # diffusers builds each stage at its own width but never converts between them: only one width runs.
+            _require(len(set(widths)) == 1, where, f"{part}_block_out_channels {widths} must all be equal")
+        _require(self.act_fn in TINY_VAE_ACTIVATIONS, where, f"act_fn {self.act_fn!r} is not supported")
+        _require(
+            self.upsample_fn == "nearest", where, f"upsample_fn {self.upsample_fn!r} is not supported (only 'nearest')"
+        )
+        factor = self.upsampling_scaling_factor
+        _require(
+            isinstance(factor, int) and factor >= 1,
+            where,
+            f"upsampling_scaling_factor {factor!r} is not a whole number",
+        )
+        down = 2 ** (len(self.encoder_block_out_channels) - 1)  # each encoder stage after the first halves the sides
+        _require(
+            down == self.vae_scale_factor,
+            where,
+            f"the encoder shrinks sides {down}x but the decoder grows them {self.vae_scale_factor}x",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class CLIPTextConfig(_FromJson):
     """transformers `CLIPTextConfig` (text_encoder/config.json), architecture fields only."""

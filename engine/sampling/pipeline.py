@@ -3,8 +3,8 @@
 Mirrors diffusers' `StableDiffusionPipeline.__call__` and `StableDiffusionXLPipeline.__call__`, with the
 batch made of independent slots (continuous batching): `admit` encodes new requests' prompts and draws
 their noise into free slots, `advance` runs a chunk of denoising steps on every slot at its own step of
-its own schedule, `decode` turns latents into pictures. `ENCODERS` holds what differs by family, token
-ids -> UNet conditioning. Classifier-free guidance batches the unconditional and conditional halves into
+its own schedule, `decode` turns latents into pictures. What differs by family (token ids -> conditioning,
+the denoiser's call) comes from the family's record, `engine.families.FAMILIES[plan.family]`. Classifier-free guidance batches the unconditional and conditional halves into
 one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
 with guidance off the unconditional half is not computed at all. Everything a user changes per request
 (steps, guidance scale, seed, prompt and its emphasis) is a traced array; only the `Plan` (shapes, the
@@ -14,7 +14,6 @@ scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,29 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import schedulers
-from ..models.clip import CLIPTextModel
-from ..models.unet import UNet2DConditionModel
-from ..models.vae import AutoencoderKL
+from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Models
 from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
-
-
-class Models(nnx.Module):
-    """Every network of a pipeline in one module, so that one `nnx.split` gives one param tree."""
-
-    def __init__(
-        self,
-        text_encoder: CLIPTextModel,
-        unet: UNet2DConditionModel,
-        vae: AutoencoderKL,
-        text_encoder_2=None,
-        controlnet=None,
-    ):
-        self.text_encoder = text_encoder
-        self.text_encoder_2 = text_encoder_2
-        self.unet = unet
-        self.vae = vae
-        self.controlnet = controlnet  # engine.models.controlnet.ControlNetModel, when the server loaded one
 
 
 @dataclass(frozen=True)
@@ -58,7 +37,7 @@ class Plan:
     scheduler: str
     max_steps: int
     guidance: bool  # classifier-free guidance on (scale > 1): the UNet batch doubles
-    family: str = "sd"
+    family: str = DEFAULT_FAMILY  # `engine.families.FAMILIES` key: the family's record encodes the prompt and denoises
     clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
     chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
@@ -99,65 +78,15 @@ def put_lanes(full: Any, part: Any, plan: Plan, lanes: int) -> Any:
     return jax.tree.map(put, full, part)
 
 
-@dataclass(frozen=True)
-class Conditioning:
-    """What the UNet is conditioned on, for a batch of prompts."""
-
-    context: jax.Array | None  # [batch, tokens, cross_attention_dim]; None in Slots, which hold it projected
-    text_embeds: jax.Array | None = None  # SDXL: pooled text embedding [batch, 1280]
-    time_ids: jax.Array | None = None  # SDXL: [batch, 6] micro-conditioning
-
-
-jax.tree_util.register_dataclass(Conditioning, data_fields=["context", "text_embeds", "time_ids"], meta_fields=[])
-
-
-def encode_sd(models: Models, ids: jax.Array, extra: dict, plan: Plan, negative: bool) -> Conditioning:
-    """SD 1.x/2.x: the last hidden state of one CLIP encoder; ids [batch, 77].
-
-    With `clip_skip` k, the output of layer -(k + 1), still through `final_layer_norm`, as diffusers does.
-    """
-    out = models.text_encoder(ids)
-    if plan.clip_skip == 0:
-        return Conditioning(out.last_hidden_state)
-    return Conditioning(models.text_encoder.text_model.final_layer_norm(out.hidden_states[-(plan.clip_skip + 1)]))
-
-
-def encode_sdxl(models: Models, ids: jax.Array, extra: dict, plan: Plan, negative: bool) -> Conditioning:
-    """SDXL: both encoders' penultimate hidden states side by side, and the second's projected pooled output.
-
-    ids [batch, 2, 77]: one row per tokenizer. extra: "time_ids" [batch, 6] f32 and "zero_negative"
-    [batch] bool, SDXL's `force_zeros_for_empty_prompt`: an empty negative prompt means no text at all,
-    zero embeddings rather than the embeddings of "". Unlike diffusers, which reads layer -2 for the
-    negative prompt whatever `clip_skip` says, both halves of the guidance batch skip the same layers.
-    """
-    layer = -(plan.clip_skip + 2)  # SDXL always reads the penultimate layer; clip_skip goes further back
-    first, second = models.text_encoder(ids[:, 0]), models.text_encoder_2(ids[:, 1])
-    context = jnp.concatenate(
-        [first.hidden_states[layer], second.hidden_states[layer]], axis=-1
-    )  # [batch, 77, d1 + d2]
-    pooled = second.pooled  # [batch, projection_dim]
-    if negative:
-        zero = extra["zero_negative"]
-        context = jnp.where(zero[:, None, None], 0.0, context).astype(context.dtype)
-        pooled = jnp.where(zero[:, None], 0.0, pooled).astype(pooled.dtype)
-    return Conditioning(context, pooled, extra["time_ids"])
-
-
-ENCODERS: dict[str, Callable[[Models, jax.Array, dict, Plan, bool], Conditioning]] = {
-    "sd": encode_sd,
-    "sdxl": encode_sdxl,
-}
-
-
 def encode_prompts(
     models: Models, ids: jax.Array, weights: jax.Array, extra: dict, plan: Plan, negative: bool
 ) -> Conditioning:
     """Token chunks -> the UNet's conditioning: the family's encoder over every chunk, with emphasis.
 
     ids int32 and weights f32 [batch, plan.chunks, 77] (SDXL: [batch, plan.chunks, 2, 77]); a prompt of one
-    chunk with weights 1 gives exactly what `ENCODERS[plan.family]` gives for its ids.
+    chunk with weights 1 gives exactly what the family's `encode` gives for its ids.
     """
-    return prompts.encode_chunks(ENCODERS[plan.family], models, ids, weights, extra, plan, negative)
+    return prompts.encode_chunks(FAMILIES[plan.family], models, ids, weights, extra, plan, negative)
 
 
 def _pair(uncond, cond):
@@ -299,6 +228,7 @@ def advance(
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
     channels = models.unet.config.in_channels
     keys = image_keys(slots.seeds)
+    denoise = FAMILIES[plan.family].denoise
 
     def body(_, carry):
         x, state, i = carry
@@ -310,7 +240,7 @@ def advance(
         model_in = pairs.split_batch(model_in)  # over a core pair, when there is one; the networks follow
         residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
         model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
-        out = models.unet(model_in, timesteps, slots.kv, cond.text_embeds, cond.time_ids, *residuals)
+        out = denoise(models, model_in, timesteps, slots.kv, cond, residuals)
         out = out.astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,12 +256,12 @@ def apply_emphasis(z: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def encode_chunks(
-    encode: Callable, models: Any, ids: jax.Array, weights: jax.Array, extra: dict, plan: Any, negative: bool
+    family: Any, models: Any, ids: jax.Array, weights: jax.Array, extra: dict, plan: Any, negative: bool
 ) -> Any:
-    """The family's `encode` (`pipeline.ENCODERS`) over chunks, with emphasis: the UNet's conditioning.
+    """The family's `encode` (`engine.families.Family`) over chunks, with emphasis: the UNet's conditioning.
 
     ids int32 and weights f32 [batch, chunks, 77] (SDXL: [batch, chunks, 2, 77]), from `stack`; extra and
-    negative as for `ENCODERS` (batch first). Every chunk goes through the family's encoder as one more row
+    negative as for `Family.encode` (batch first). Every chunk goes through the family's encoder as one more row
     of the batch; each encoder's part of the context gets its own emphasis (A1111 weighs SDXL's two
     encoders apart); the context is [batch, chunks * 77, width], the pooled embedding and time ids are the
     first chunk's. Traceable: call it inside the jitted step; the chunk count is a shape, so static.
@@ -269,9 +269,9 @@ def encode_chunks(
     b, c = ids.shape[:2]
     rows = lambda a: a.reshape(b * c, *a.shape[2:])  # noqa: E731 [batch * chunks, ...], chunk-minor
     per_chunk = jax.tree.map(lambda a: jnp.repeat(a, c, axis=0), extra)
-    cond = encode(models, rows(ids), per_chunk, plan, negative)
+    cond = family.encode(models, rows(ids), per_chunk, plan, negative)
     context = cond.context.reshape(b, c, *cond.context.shape[1:])  # [batch, chunks, 77, width]
-    widths = [enc.config.hidden_size for enc in (models.text_encoder, models.text_encoder_2) if enc is not None]
+    widths = [getattr(models, name).config.hidden_size for name in family.text_encoders]
     if sum(widths) != context.shape[-1]:
         raise ValueError(f"a context {context.shape[-1]} wide is not the encoders' {' + '.join(map(str, widths))}")
     if weights.ndim == 3:  # one tokenizer: [batch, chunks, 77] -> [batch, chunks, 1, 77]

@@ -27,8 +27,8 @@ from PIL import Image
 
 from .. import schedulers
 from ..errors import InvalidRequest
+from ..families.loader import LoadedModel, load_model_folder
 from ..loading.controlnet import attach_controlnet, load_controlnet
-from ..loading.folder import LoadedModel, load_model_folder
 from ..loading.lora import LoRAFactors, load_lora, lora_factors
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import modes, pairs
@@ -98,7 +98,7 @@ class Engine:
         `core_pairs`: run each image on two CPU devices (engine/pairs.py); None: where `pair_cores()` asked
         for them in this process."""
         self.model = model
-        self.family = model.family  # "sd" or "sdxl"
+        self.family = model.family  # the family record's name: engine.families.FAMILIES
         self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
         self.example_prompts = list(model.example_prompts)

@@ -1,8 +1,8 @@
 """A diffusers-format folder -> configs, tokenizers, scheduler config and one param tree on the host.
 
-The family comes from `model_index.json`: "sd" (SD 1.x/2.x: one CLIP encoder) or "sdxl" (two
-encoders, `text_time` conditioning). Generation defaults follow the family, and Turbo (few-step,
-guidance-free) folders get their own.
+The family comes from `model_index.json`'s `_class_name` (`family_of`); the family's record says which
+components to read, which classes build them and what must agree between them. Generation defaults
+follow the family, and Turbo (few-step, guidance-free) folders get their own.
 
 An optional `jax_sd.json` beside `model_index.json` carries generation defaults and example
 prompts for a model (the embedded default uses it); diffusers ignores that file.
@@ -10,9 +10,7 @@ prompts for a model (the embedded default uses it); diffusers ignores that file.
 
 from __future__ import annotations
 
-import functools
 import json
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,48 +20,24 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..families import sdxl, variants
-from ..models.clip import CLIPTextModel
-from ..models.config import CLIPTextConfig, UNetConfig, VAEConfig
-from ..models.unet import UNet2DConditionModel
-from ..models.vae import AutoencoderKL
-from ..sampling.pipeline import Models, Plan
+from ..errors import SourceError
+from ..loading.sources import ModelFolder, resolve
+from ..loading.tokenizer import Tokenizer
+from ..loading.weights import convert, read_safetensors, rename_legacy
+from ..models.config import UNetConfig, VAEConfig
 from ..schedulers import SCHEDULERS, SchedulerConfig
-from .sources import ModelFolder, resolve
-from .weights import convert, read_safetensors, rename_legacy
+from . import PIPELINE_FAMILIES, family_of, find
+from .base import Family, Models, Variant, no_extra_inputs
 
 # Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
 TURBO_DEFAULTS = {"num_inference_steps": 1, "guidance_scale": 0.0}
 
 
-class Tokenizer:
-    """transformers' CLIPTokenizer, padded to its 77 tokens; says when a prompt was cut."""
-
-    def __init__(self, folder: Path):
-        from transformers import CLIPTokenizer
-
-        self.inner = CLIPTokenizer.from_pretrained(str(folder))
-        self.max_length = self.inner.model_max_length
-        # A call sets padding and truncation on the shared Rust tokenizer before it encodes: two threads
-        # interleaving would get each other's settings (ids of the wrong length). One call at a time.
-        self.lock = threading.Lock()
-
-    def __call__(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        with self.lock:
-            full = self.inner(text, truncation=False).input_ids
-            ids = self.inner(text, padding="max_length", max_length=self.max_length, truncation=True).input_ids
-        warnings = []
-        if len(full) > self.max_length:
-            dropped = self.inner.decode(full[self.max_length - 1 : -1])
-            warnings.append(f"{what} truncated to {self.max_length} tokens; dropped: {dropped!r}")
-        return np.asarray(ids, np.int32)[None], warnings
-
-
 @dataclass
 class LoadedModel:
     name: str
-    family: str
-    variant: variants.Variant
+    family: str  # `Family.name`; the record is `engine.families.FAMILIES[family]`
+    variant: Variant
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype
     unet_config: UNetConfig
@@ -75,7 +49,7 @@ class LoadedModel:
     example_prompts: list[str] = field(default_factory=list)
     max_clip_skip: int = 0
     # The family's per-image inputs besides token ids, from the plan and the negative prompt (None: none at all).
-    extra_inputs: Callable[[Plan, str | None], dict] = lambda plan, negative_prompt: {}
+    extra_inputs: Callable[[Any, str | None], dict] = no_extra_inputs
     controlnet: str | None = None  # the ControlNet's source, when one is attached (`controlnet.attach_controlnet`)
 
     @property
@@ -103,7 +77,7 @@ def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
 
 
 def _defaults(
-    folder: ModelFolder, variant: variants.Variant, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
+    folder: ModelFolder, variant: Variant, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
     side = (unet.sample_size or 64) * 2 ** (len(vae.block_out_channels) - 1)
     defaults = {"height": side, "width": side, **variant.defaults}
@@ -123,43 +97,37 @@ def _defaults(
     return defaults, list(extra.get("example_prompts", []))
 
 
+def folder_family(folder: ModelFolder) -> Family:
+    """The family of a folder's model_index.json class; a class we do not have is refused by name."""
+    family = family_of(folder.class_name)
+    if family is None:
+        known = ", ".join(PIPELINE_FAMILIES)
+        raise SourceError(f"{folder.name}: model type {folder.class_name!r} is not supported (supported: {known})")
+    return family
+
+
 def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
-    variant = "fp16" if dtype in ("float16", "bfloat16") else None
-    folder = resolve(source, variant)
-    family = folder.family
-    unet_cfg = UNetConfig.from_json(folder.component("unet") / "config.json")
-    vae_cfg = VAEConfig.from_json(folder.component("vae") / "config.json")
-    variant = variants.find(family, unet_cfg.in_channels, where=folder.name)
-    encoders = variant.text_encoders
-    clip_cfgs = [CLIPTextConfig.from_json(folder.component(name) / "config.json") for name in encoders]
-    if family == "sdxl":
-        sdxl.check_layout(unet_cfg, *clip_cfgs, where=folder.name)
+    weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
+    folder = resolve(source, weights_variant)
+    family = folder_family(folder)
+    configs = {name: cls.from_json(folder.component(name) / "config.json") for name, cls in family.configs.items()}
+    unet_cfg, vae_cfg = configs["unet"], configs["vae"]
+    variant = find(family.name, unet_cfg.in_channels, where=folder.name)
+    family.check_layout(configs, folder.name)
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
     tensors = {}
-    for name in (*encoders, "unet", "vae"):
-        for key, value in rename_legacy(read_safetensors(folder.weight_files(name, variant))).items():
+    for name in configs:
+        for key, value in rename_legacy(read_safetensors(folder.weight_files(name, weights_variant))).items():
             tensors[f"{name}.{key}"] = value
 
-    def make():
-        rngs = nnx.Rngs(0)
-        # SDXL's second encoder is `CLIPTextModelWithProjection`: its pooled output is projected.
-        clips = [CLIPTextModel(cfg, rngs, with_projection=i == 1) for i, cfg in enumerate(clip_cfgs)]
-        return Models(clips[0], UNet2DConditionModel(unet_cfg, rngs), AutoencoderKL(vae_cfg, rngs), *clips[1:])
-
-    graphdef, params = convert(make, tensors, dtype, where=folder.name)
+    graphdef, params = convert(lambda: Models(**family.build(configs, nnx.Rngs(0))), tensors, dtype, where=folder.name)
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
     defaults, examples = _defaults(folder, variant, unet_cfg, vae_cfg, sched_cfg)
-    family_parts = {}
-    if family == "sdxl":
-        family_parts["extra_inputs"] = functools.partial(
-            sdxl.extra_inputs,
-            vae_scale_factor=2 ** (len(vae_cfg.block_out_channels) - 1),
-            force_zeros=bool(folder.index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True
-        )
+    vae_scale_factor = 2 ** (len(vae_cfg.block_out_channels) - 1)
     return LoadedModel(
         name=folder.name,
-        family=family,
+        family=family.name,
         variant=variant,
         graphdef=graphdef,
         params=params,
@@ -170,6 +138,6 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
         defaults=defaults,
         label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
         example_prompts=examples,
-        max_clip_skip=min(cfg.num_hidden_layers for cfg in clip_cfgs) - 1,
-        **family_parts,
+        max_clip_skip=min(configs[name].num_hidden_layers for name in family.text_encoders) - 1,
+        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor),
     )

@@ -1,0 +1,164 @@
+"""What a model family is, as data: the `Family` record, its tasks (`Variant`), and the values they pass.
+
+A family (SD 1.x/2.x, SDXL; SD3 and FLUX.1 next) is one module in this folder that fills a `Family`:
+which components a folder holds and which classes build them, how a prompt's token ids become the
+denoiser's conditioning, how the denoiser is called, whether guidance is a second batch row or an
+embedding, its latent format, its defaults, and the checks its folders must pass. A task
+(text-to-image, inpainting) is a `Variant` of a family. The sampling programs and the loader ask
+these records; no code outside `engine/families/` names a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ..errors import InvalidRequest
+
+
+class Models(nnx.Module):
+    """Every network of a pipeline in one module, so that one `nnx.split` gives one param tree.
+
+    The attributes are the folder's component names (`text_encoder`, `unet`, `vae`, ...), so the param
+    tree's paths are the diffusers key paths with the component in front. A ControlNet, when a server
+    loads one, joins later as `controlnet` (`loading.controlnet.attach_controlnet`).
+    """
+
+    def __init__(self, **components: nnx.Module):
+        for name, module in components.items():
+            setattr(self, name, module)
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the denoiser is conditioned on, for a batch of prompts."""
+
+    context: jax.Array | None  # [batch, tokens, cross_attention_dim]; None in Slots, which hold it projected
+    text_embeds: jax.Array | None = None  # pooled text embedding [batch, d] (SDXL)
+    time_ids: jax.Array | None = None  # [batch, 6] micro-conditioning (SDXL)
+
+
+jax.tree_util.register_dataclass(Conditioning, data_fields=["context", "text_embeds", "time_ids"], meta_fields=[])
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """How a family's latents look: their channels, the tiny autoencoder that decodes them in a blink.
+
+    The scale and shift between the VAE's latents and the denoiser's come from the VAE's own config
+    (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`), which is the folder's truth.
+    """
+
+    channels: int
+    tiny_vae: str  # the Hub id of the matching TAESD (madebyollin/taesd, taesdxl, ...)
+
+
+def no_extra_inputs(plan: Any, negative_prompt: str | None) -> dict:
+    return {}
+
+
+# The signature every family's `encode` has: (models, token ids, extra inputs, plan, negative) -> Conditioning.
+# `plan` is the sampling program's static `Plan`; an encoder reads its `clip_skip`.
+Encode = Callable[[Models, jax.Array, dict, Any, bool], Conditioning]
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One model family. Identity equality: there is one record per family (`engine.families.FAMILIES`)."""
+
+    name: str  # the registry key; also what `Plan.family`, `Variant.family` and the engine's `family` hold
+    pipelines: tuple[str, ...]  # model_index.json `_class_name`s of this family (every task)
+    configs: Mapping[str, type]  # component sub-folder -> its config class, in load order
+    text_encoders: tuple[str, ...]  # the text encoders' sub-folders, in the order they run
+    tokenizers: tuple[str, ...]
+    encode: Encode = field(repr=False)
+    # (configs by component, rngs) -> the networks by component name, built from shapes alone
+    build: Callable[[Mapping[str, Any], nnx.Rngs], dict[str, nnx.Module]] = field(repr=False)
+    # (models, latents, timesteps, projected text, conditioning, control residuals) -> the noise prediction
+    denoise: Callable[..., jax.Array] = field(repr=False)
+    latent: LatentFormat
+    defaults: Mapping[str, Any]  # num_inference_steps, guidance_scale, scheduler (a folder's scheduler comes first)
+    max_side: int  # pixels: twice the side the family was trained at
+    guidance: str = "batch"  # "batch": an unconditional second row per image; "embedding": the scale is an input
+    # (configs by component, where) -> None, or ConfigError naming what disagrees
+    check_layout: Callable[[Mapping[str, Any], str], None] = field(default=lambda configs, where: None, repr=False)
+    # (model_index.json, vae_scale_factor) -> the folder's (plan, negative_prompt) -> per-image inputs besides
+    # token ids, batch first (SDXL: time ids, and whether no negative prompt means zero embeddings)
+    extra_inputs: Callable[[Mapping[str, Any], int], Callable[[Any, str | None], dict]] = field(
+        default=lambda index, vae_scale_factor: no_extra_inputs, repr=False
+    )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One task of a family: what the denoiser was trained for and the picture inputs it needs."""
+
+    family: str  # `Family.name`
+    task: str  # "text-to-image" | "inpainting"
+    label: str  # for people
+    pipelines: tuple[str, ...]  # model_index.json `_class_name`s saved for this variant
+    text_encoders: tuple[str, ...]  # sub-folders, in the order the encoders run
+    tokenizers: tuple[str, ...]
+    unet_in_channels: int  # 4: latents; 9: latents, mask and masked-picture latents
+    max_side: int  # pixels: twice the side the family was trained at
+    defaults: MappingProxyType = field(compare=False)  # num_inference_steps, guidance_scale, scheduler
+    strength: float  # image-to-image default, as the family's diffusers img2img pipeline
+    inpaint_strength: float  # inpainting default, as the family's diffusers inpaint pipeline
+    needs: frozenset[str] = frozenset()  # picture inputs a request must bring
+
+    def check(self, image: Any, mask_image: Any) -> None:
+        """The picture inputs this model can use; the message says what to change."""
+        given = {name for name, value in (("image", image), ("mask_image", mask_image)) if value is not None}
+        missing = sorted(self.needs - given)
+        if missing:
+            raise InvalidRequest(
+                f"this {self.label} model repaints part of a picture: give {' and '.join(missing)} "
+                "(white in the mask is repainted)"
+            )
+
+    def default_strength(self, mask_image: Any) -> float:
+        return self.inpaint_strength if mask_image is not None else self.strength
+
+
+def variants(
+    family: Family, label: str, text_to_image: tuple[str, ...], inpainting: tuple[str, ...], strengths: tuple
+) -> tuple[Variant, Variant]:
+    """A family's two tasks: text-to-image (4-channel UNet) and inpainting (9 channels: latents, mask, picture).
+
+    strengths: (img2img, inpaint with a text-to-image model, inpainting model), as the family's diffusers pipelines.
+    """
+    common = dict(
+        text_encoders=family.text_encoders,
+        tokenizers=family.tokenizers,
+        max_side=family.max_side,
+        defaults=MappingProxyType(dict(family.defaults)),
+    )
+    img2img, inpaint, inpainting_model = strengths
+    return (
+        Variant(
+            family.name,
+            "text-to-image",
+            label,
+            text_to_image,
+            unet_in_channels=4,
+            **common,
+            strength=img2img,
+            inpaint_strength=inpaint,
+        ),
+        Variant(
+            family.name,
+            "inpainting",
+            f"{label} Inpainting",
+            inpainting,
+            unet_in_channels=9,
+            **common,
+            strength=inpainting_model,
+            inpaint_strength=inpainting_model,
+            needs=frozenset({"image", "mask_image"}),
+        ),
+    )

@@ -1,0 +1,71 @@
+"""Stable Diffusion 1.x and 2.x: one CLIP text encoder, a UNet conditioned on its last hidden state, the KL VAE.
+
+Mirrors diffusers' `StableDiffusionPipeline` (Rombach et al. 2022): the prompt's last hidden state (or, with
+`clip_skip` k, layer -(k + 1) through the final layer norm) is the UNet's cross-attention context; guidance
+is a second, unconditional batch row per image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ..models.clip import CLIPTextModel
+from ..models.config import CLIPTextConfig, UNetConfig, VAEConfig
+from ..models.unet import UNet2DConditionModel
+from ..models.vae import AutoencoderKL
+from .base import Conditioning, Family, LatentFormat, Models, variants
+
+
+def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:
+    """The last hidden state of the CLIP encoder; ids [batch, 77].
+
+    With `clip_skip` k, the output of layer -(k + 1), still through `final_layer_norm`, as diffusers does.
+    """
+    out = models.text_encoder(ids)
+    if plan.clip_skip == 0:
+        return Conditioning(out.last_hidden_state)
+    return Conditioning(models.text_encoder.text_model.final_layer_norm(out.hidden_states[-(plan.clip_skip + 1)]))
+
+
+def denoise(
+    models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: Conditioning, residuals: tuple
+) -> jax.Array:
+    """The UNet's noise prediction; `kv` is the text projected for its cross-attentions (`project_context`)."""
+    return models.unet(x, timesteps, kv, cond.text_embeds, cond.time_ids, *residuals)
+
+
+def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+    """The networks, by component; the second text encoder, when a family has one, projects its pooled output."""
+    encoders = {
+        name: CLIPTextModel(configs[name], rngs, with_projection=i == 1)
+        for i, name in enumerate(n for n in configs if n.startswith("text_encoder"))
+    }
+    return {**encoders, "unet": UNet2DConditionModel(configs["unet"], rngs), "vae": AutoencoderKL(configs["vae"], rngs)}
+
+
+FAMILY = Family(
+    name="sd",
+    pipelines=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
+    configs={"text_encoder": CLIPTextConfig, "unet": UNetConfig, "vae": VAEConfig},
+    text_encoders=("text_encoder",),
+    tokenizers=("tokenizer",),
+    encode=encode,
+    build=build,
+    denoise=denoise,
+    latent=LatentFormat(channels=4, tiny_vae="madebyollin/taesd"),
+    # The scheduler here is a fallback: a folder's own scheduler class, when we have it, comes first.
+    defaults={"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"},
+    max_side=1024,
+)
+
+VARIANTS = variants(
+    FAMILY,
+    "Stable Diffusion",
+    text_to_image=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"),
+    inpainting=("StableDiffusionInpaintPipeline",),
+    strengths=(0.8, 1.0, 1.0),
+)

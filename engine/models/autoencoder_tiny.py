@@ -1,0 +1,143 @@
+"""The tiny autoencoder TAESD, mirroring diffusers' `AutoencoderTiny` (`EncoderTiny`, `DecoderTiny`).
+
+Plain 3x3 convolutions and `AutoencoderTinyBlock` residuals, no norms, no attention; each side's layers
+are one list (`encoder.layers.N`, `decoder.layers.N`, as diffusers' `nn.Sequential`), parameterless
+entries (activations, upsamplings) holding their places so the indices match the checkpoint's.
+Same contract as `AutoencoderKL`: images NHWC in [-1, 1], latents NHWC, unscaled by `scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..nn.layers import Conv, _inits, conv
+from .config import AutoencoderTinyConfig
+
+ACTIVATIONS = {  # diffusers' `get_activation`, by the names `TINY_VAE_ACTIVATIONS` allows
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+}
+# The clipped log-variance (AutoencoderKL's floor) standing for a deterministic encoder's zero variance.
+ZERO_VARIANCE_LOGVAR = -30.0
+
+
+def conv_no_bias(in_ch: int, out_ch: int, rngs: nnx.Rngs, stride: int = 1) -> Conv:
+    """A 3x3 convolution, padding 1, without bias: the encoder's downsamplings, the decoder's inner convs."""
+    s = (stride, stride)
+    return Conv(
+        in_ch, out_ch, (3, 3), strides=s, padding=((1, 1), (1, 1)), use_bias=False, rngs=rngs, **_inits("kernel_init")
+    )
+
+
+class Activation(nnx.Module):
+    """A parameterless activation: holds its index in a diffusers `nn.Sequential`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ACTIVATIONS[self.name](x)
+
+
+class Upsample(nnx.Module):
+    """`nn.Upsample(scale_factor, mode="nearest")` with a whole factor: each pixel repeated."""
+
+    def __init__(self, factor: int):
+        self.factor = factor
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.repeat(jnp.repeat(x, self.factor, axis=1), self.factor, axis=2)
+
+
+class AutoencoderTinyBlock(nnx.Module):
+    """conv-act-conv-act-conv plus the input, then ReLU (whatever `act_fn`); widths in and out are equal."""
+
+    def __init__(self, ch: int, act_fn: str, rngs: nnx.Rngs):
+        self.conv = nnx.List(
+            [
+                conv(ch, ch, 3, rngs),
+                Activation(act_fn),
+                conv(ch, ch, 3, rngs),
+                Activation(act_fn),
+                conv(ch, ch, 3, rngs),
+            ]
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x
+        for layer in self.conv:
+            h = layer(h)
+        return jax.nn.relu(h + x)
+
+
+def _run(layers: nnx.List, x: jax.Array) -> jax.Array:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class EncoderTiny(nnx.Module):
+    """[0, 1] images -> latents: per stage a conv (stride 2 after the first) and its blocks, then a conv out."""
+
+    def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs):
+        ch, act = cfg.encoder_block_out_channels[0], cfg.act_fn
+        layers = []
+        for i, count in enumerate(cfg.num_encoder_blocks):
+            layers.append(conv(cfg.in_channels, ch, 3, rngs) if i == 0 else conv_no_bias(ch, ch, rngs, stride=2))
+            layers.extend(AutoencoderTinyBlock(ch, act, rngs) for _ in range(count))
+        layers.append(conv(ch, cfg.latent_channels, 3, rngs))
+        self.layers = nnx.List(layers)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _run(self.layers, x)
+
+
+class DecoderTiny(nnx.Module):
+    """Latents -> [0, 1] images: a conv in, per stage its blocks, an upsampling and a conv; the last conv out."""
+
+    def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs):
+        ch, act, last = cfg.decoder_block_out_channels[0], cfg.act_fn, len(cfg.num_decoder_blocks) - 1
+        layers = [conv(cfg.latent_channels, ch, 3, rngs), Activation(act)]
+        for i, count in enumerate(cfg.num_decoder_blocks):
+            layers.extend(AutoencoderTinyBlock(ch, act, rngs) for _ in range(count))
+            if i < last:
+                layers += [Upsample(cfg.upsampling_scaling_factor), conv_no_bias(ch, ch, rngs)]
+            else:
+                layers.append(conv(ch, cfg.out_channels, 3, rngs))
+        self.layers = nnx.List(layers)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _run(self.layers, x)
+
+
+class AutoencoderTiny(nnx.Module):
+    def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        self.encoder = EncoderTiny(cfg, rngs)
+        self.decoder = DecoderTiny(cfg, rngs)
+
+    def _dtype(self):
+        return self.decoder.layers[0].kernel.dtype
+
+    def encode(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """images [batch, h, w, 3] in [-1, 1] -> (latents, logvar) in f32, latents [batch, h/8, w/8, latent_channels].
+
+        As `AutoencoderKL.encode`'s (mean, logvar), unscaled: the encoder is deterministic, so the latents are
+        the mean and the logvar is the clipped floor everywhere (callers take the mean).
+        """
+        x = ((images.astype(jnp.float32) + 1) / 2).astype(self._dtype())  # TAESD reads [0, 1]
+        latents = self.encoder(x).astype(jnp.float32)
+        return latents, jnp.full_like(latents, ZERO_VARIANCE_LOGVAR)
+
+    def decode(self, latents: jax.Array) -> jax.Array:
+        """latents [batch, h/8, w/8, latent_channels], unscaled -> images [batch, h, w, 3] in about [-1, 1], f32."""
+        z = jnp.tanh(latents.astype(jnp.float32) / 3) * 3  # TAESD's soft clamp to (-3, 3)
+        x = self.decoder(z.astype(self._dtype())).astype(jnp.float32)
+        return x * 2 - 1  # [0, 1] -> [-1, 1]
