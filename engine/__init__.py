@@ -14,7 +14,8 @@ from .families import VARIANTS, Variant
 from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
 from .sampling.images import canny_image
 from .sampling.pairs import pair_cores
-from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine, enable_compile_cache, load_pipeline
+from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine
+from .serving.start import enable_compile_cache, load_pipeline
 from .serving.ticket import Failed, Finished, Preview, Progress, Queued, Ticket
 
 __all__ = [

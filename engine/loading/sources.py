@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"  # engine/assets
 DEFAULT_MODEL = ASSETS / "default"
 
 WEIGHT_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")

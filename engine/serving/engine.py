@@ -11,13 +11,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,51 +24,30 @@ from PIL import Image
 
 from .. import schedulers
 from ..errors import InvalidRequest
-from ..families.loader import LoadedModel, load_model_folder
-from ..loading.controlnet import attach_controlnet, load_controlnet
-from ..loading.lora import LoRAFactors, load_lora, lora_factors
+from ..families.loader import LoadedModel
+from ..loading.lora import LoRAFactors
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
-from ..sampling import modes, pairs
-from ..sampling.images import canny_image, control_image_array
-from ..sampling.pipeline import Admission, Plan
+from ..sampling import pairs
+from ..sampling.images import canny_image
+from ..sampling.pipeline import Plan
 from ..sampling.preview import PreviewMap, fit_preview
-from ..sampling.prompts import TokenizedPrompt, align, tokenize_prompt
+from ..sampling.prompts import TokenizedPrompt
 from .batcher import Batcher, Job
+from .jobs import Jobs
 from .lora_serving import ServedLoRAs
-from .programs import Programs, lane_widths
+from .programs import Programs
 from .ticket import Progress, Ticket
+from .warmup import Warmup, start_in_background, warmup_plans
+from .warmup import warmup as compile_warmup
 
 log = logging.getLogger("jax-sd")
 
 DEFAULT_MAX_BATCH_SIZE = 8  # image slots drawn at once over all devices
 
 
-def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
-    """Keeps compiled programs on disk (JAX_SD_CACHE_DIR, default ~/.cache/jax-sd/xla)."""
-    path = Path(path or os.environ.get("JAX_SD_CACHE_DIR") or Path.home() / ".cache" / "jax-sd" / "xla")
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return path
-
-
-def default_dtype() -> str:
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
 def _device_name(group) -> str:
     """ "cpu:0" for one device, "cpu:0+1" for a core pair."""
     return f"{group[0].platform}:" + "+".join(str(device.id) for device in group)
-
-
-@dataclasses.dataclass
-class Warmup:
-    """The start-up compilation of the default shapes, which runs in the background."""
-
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    seconds: float | None = None
-    error: str | None = None
 
 
 class Engine:
@@ -148,13 +124,13 @@ class Engine:
                         scheduler=self.defaults["scheduler"],
                     )
                 )
-        # The safety checker (engine/safety.py), run in the decode program: "on", "off" or "none" (not shipped).
+        self.jobs = Jobs(model, self.limits, self.loras, self.batch_size, len(self.devices))
+        # The safety checker (engine/models/safety.py), run in the decode program: "on", "off" or "none" (not shipped).
         self.safety_mode = "none" if safety is None else "on"
         checker = None if safety is None else (safety.graphdef, jax.device_put(safety.params, replicated))
         self.programs = Programs(
-            model.graphdef, self.params, self._lanes, replicated, self._example, max_plans, checker=checker
+            model.graphdef, self.params, self._lanes, replicated, self.jobs.example, max_plans, checker=checker
         )
-        self._blanks: dict[Plan, Job] = {}
         # Fitted once, in the background beside the warm-up (one small VAE decode, compiled unless cached):
         # a request's first preview may come a moment later, Ready never does.
         self._preview: Future | None = None
@@ -167,7 +143,7 @@ class Engine:
         self._batcher = Batcher(
             self.programs,
             self.params,
-            self._blank,
+            self.jobs.blank,
             self.devices,
             self._lanes,
             chunk_steps=chunk_steps,
@@ -213,141 +189,21 @@ class Engine:
         done = self._preview is not None and self._preview.done()
         return self._preview.result() if done else None
 
-    # -- requests -> jobs ------------------------------------------------------------------
+    # -- requests -> jobs (engine/serving/jobs.py) -------------------------------------------
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
-        """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/prompts.py),
-        padded to one chunk count; refused when longer than `limits.max_chunks`."""
-        prompt = tokenize_prompt(self.model.tokenizers, r.prompt)
-        negative = tokenize_prompt(self.model.tokenizers, r.negative_prompt or "")
-        self.limits.check_chunks(prompt.chunks, prompt.token_count)
-        self.limits.check_chunks(negative.chunks, negative.token_count, "negative prompt")
-        return prompt, negative
+        """The prompt and the negative prompt in 75-token chunks with their emphasis, padded to one chunk count."""
+        return self.jobs.prompts(r)
 
     def plan(self, r: GenerationRequest, chunks: int | None = None) -> Plan:
         """The static shapes of a complete request; `chunks`: its prompts' chunk count (None: tokenizes them)."""
-        if chunks is None:
-            chunks = max(p.chunks for p in self.prompts(r))
-        factor = self.model.vae_scale_factor
-        return Plan(
-            batch=self.batch_size,
-            latent_height=r.height // factor,
-            latent_width=r.width // factor,
-            scheduler=r.scheduler,
-            max_steps=self.limits.max_steps,
-            guidance=r.guided,
-            family=self.family,
-            clip_skip=int(r.clip_skip),
-            chunks=chunks,
-            devices=len(self.devices),
-            control=r.controlled,
-            mode=modes.mode_of(r.image, r.mask_image),
-        )
+        return self.jobs.plan(r, chunks)
 
-    def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
-        return (plan.latent_height, plan.latent_width, self.model.latent_channels)
-
-    def _job(
-        self, ticket: Ticket, r: GenerationRequest, plan: Plan, prompts: tuple[TokenizedPrompt, TokenizedPrompt]
-    ) -> Job:
-        prompt, negative = align(*prompts, chunks=plan.chunks)
-        one = dataclasses.replace(plan, batch=1, devices=1)
-        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.negative_prompt).items()}
-        latents = None
-        if r.latents is not None:
-            want = (r.num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
-            latents = np.asarray(r.latents, np.float32)
-            if latents.shape != want:
-                raise InvalidRequest(
-                    f"latents must have shape {want} (images, channels, height/8, width/8), got {latents.shape}"
-                )
-            latents = latents.transpose(0, 2, 3, 1)  # NCHW -> NHWC
-        tables = schedulers.tables(
-            self.model.scheduler_config,
-            r.scheduler,
-            r.num_inference_steps,
-            plan.max_steps,
-            strength=None if plan.mode == "txt2img" else float(1.0 if r.strength is None else r.strength),
-            inpaint=plan.mode == "inpaint",
-        )
-        return Job(
-            ticket=ticket,
-            plan=plan,
-            ids=prompt.ids,
-            weights=prompt.weights,
-            neg_ids=negative.ids,
-            neg_weights=negative.weights,
-            extra=extra,
-            tables=tables,
-            seeds=r.image_seeds(),
-            guidance_scale=float(r.guidance_scale),
-            latents=latents,
-            latent_shape=self._latent_shape(plan),
-            control=self._control_image(r, plan),
-            control_scale=float(r.controlnet_conditioning_scale),
-            lora_weights=self.loras.weights(r.lora_scales),
-            source=self._source(r, plan),
-        )
-
-    def _control_image(self, r: GenerationRequest, plan: Plan) -> np.ndarray | None:
-        """[H, W, 3] in [0, 1], as the ControlNet pipeline preprocesses it; black for an empty slot."""
-        if not plan.control:
-            return None
-        factor = self.model.vae_scale_factor
-        height, width = plan.latent_height * factor, plan.latent_width * factor
-        if r.control_image is None:
-            return np.zeros((height, width, 3), np.float32)
-        return control_image_array(r.control_image, height, width)[0]
+    def _job(self, ticket: Ticket, r: GenerationRequest, plan: Plan, prompts) -> Job:
+        return self.jobs.job(ticket, r, plan, prompts)
 
     def canny_image(self, image, low: int = 100, high: int = 200):
         """The Canny edge map of a picture (white edges on black), the usual control image: for the page."""
         return canny_image(image, low, high)
-
-    def _source(self, r: GenerationRequest, plan: Plan) -> modes.Source | None:
-        """One image's picture and mask at the request's size (zeros for an empty slot); None for text-to-image."""
-        if plan.mode == "txt2img":
-            return None
-        factor = self.model.vae_scale_factor
-        width, height = plan.latent_width * factor, plan.latent_height * factor
-        return modes.Source(**modes.source_row(r.image, r.mask_image, width, height))
-
-    def _blank(self, plan: Plan) -> Job:
-        """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
-        if plan not in self._blanks:
-            r = GenerationRequest(
-                "",
-                "",
-                num_inference_steps=1,
-                guidance_scale=0.0,
-                scheduler=plan.scheduler,
-                num_images=1,
-                height=1,
-                width=1,
-            )
-            job = self._job(Ticket(r, []), r, plan, self.prompts(r))
-            job.tables = dataclasses.replace(job.tables, num_loop_steps=np.int32(0))
-            self._blanks[plan] = job
-        return self._blanks[plan]
-
-    def _example(self, plan: Plan) -> Admission:
-        """An admission of empty slots: the shapes and dtypes the plan's programs take."""
-        row = self._blank(plan)
-        b = plan.batch
-        stack = lambda a: np.stack([np.asarray(a)] * b)  # noqa: E731
-        return Admission(
-            mask=np.zeros(b, bool),
-            ids=stack(row.ids),
-            weights=stack(row.weights),
-            neg_ids=stack(row.neg_ids),
-            neg_weights=stack(row.neg_weights),
-            extra={k: stack(v) for k, v in row.extra.items()},
-            latents=np.zeros((b, *row.latent_shape), np.float32),
-            given=np.zeros(b, bool),
-            seeds=np.zeros(b, np.uint32),
-            guidance_scale=np.zeros(b, np.float32),
-            tables=jax.tree.map(stack, row.tables),
-            **(dict(control=stack(row.control), control_scale=np.zeros(b, np.float32)) if plan.control else {}),
-            source=jax.tree.map(stack, row.source),
-        )
 
     def submit(self, request: GenerationRequest) -> Ticket:
         """Queues a request; returns at once with its Ticket. Raises InvalidRequest, or Busy when the queue is full."""
@@ -360,7 +216,7 @@ class Engine:
         plan = self.plan(r, max(p.chunks for p in prompts))
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]
         ticket = Ticket(r, [note for note in notes if note])
-        self._batcher.submit(self._job(ticket, r, plan, prompts))
+        self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
 
     def generate(
@@ -415,53 +271,20 @@ class Engine:
             ticket.subscribe(lambda e: progress(e.step, e.total) if isinstance(e, Progress) else None)
         return ticket.result()
 
-    # -- start-up ---------------------------------------------------------------------------
+    # -- start-up (engine/serving/warmup.py) ---------------------------------------------------
     def warmup_plans(self, num_images: int | None = None) -> list[Plan]:
-        """The default request's plan, then the same with guidance on or off the other way: moving the guidance
-        slider across 1 compiles nothing once the second one is done."""
-        g = self.defaults["guidance_scale"]
-        plans = []
-        for guidance in (g, 1.0 if g > 1 else 7.5):
-            r = self.limits.resolve(
-                GenerationRequest("", guidance_scale=guidance, num_images=num_images),
-                self.defaults,
-                self.images_per_device,
-            )
-            plans.append(self.plan(r))
-        return plans
+        """The default request's plan, then the same with guidance the other way."""
+        return warmup_plans(self.jobs, self.limits, self.defaults, self.images_per_device, num_images)
 
     def warmup(self, num_images: int | None = None, wait_for_all: bool = False) -> float:
-        """Compiles the default request's programs (kept for good) and returns the seconds that took: from then
-        on the default request never waits for a compiler. The rest, in the background: the other guidance
-        plan, then the crowd's width of both (`wait_for_all` waits for them too)."""
-        start, (default, other) = time.perf_counter(), self.warmup_plans(num_images)
-        n = self.images_per_device if num_images is None else -(-num_images // default.devices)
-        widths = lane_widths(default.slots_per_device)
-        own = min(w for w in widths if w >= min(n, default.slots_per_device))
-        # One plan at a time until Ready: XLA's CPU compiler already keeps two cores busy.
-        self.programs.request(default, own, pin=True).result()
-        seconds = time.perf_counter() - start
-        rest = [self.programs.request(other, own, pin=True)]
-        rest += [self.programs.request(plan, widths[-1]) for plan in (default, other)]
-        if wait_for_all:
-            for future in rest:
-                future.result()
-        return seconds
+        """Compiles the default request's programs and returns the seconds that took; the rest in the background."""
+        return compile_warmup(
+            self.programs, self.warmup_plans(num_images), self.images_per_device, num_images, wait_for_all
+        )
 
     def start_warmup(self, num_images: int | None = None) -> Engine:
         """`warmup` in a background thread; `ready` and `warmup_state` say how it went."""
-
-        def run() -> None:
-            try:
-                self.warmup_state.seconds = self.warmup(num_images)
-                log.info("warm-up finished in %.1f s", self.warmup_state.seconds)
-            except Exception as e:  # the first request compiles instead; the engine stays up
-                self.warmup_state.error = f"{type(e).__name__}: {e}"
-                log.exception("warm-up failed")
-            finally:
-                self.warmup_state.done.set()
-
-        threading.Thread(target=run, name="jax-sd-warmup", daemon=True).start()
+        start_in_background(self.warmup_state, lambda: self.warmup(num_images))
         return self
 
     def close(self) -> None:
@@ -481,39 +304,3 @@ def _close_if_alive(ref: weakref.ref) -> None:
     engine = ref()
     if engine is not None:
         engine.close()
-
-
-def load_pipeline(
-    source: str | os.PathLike | None = None,
-    dtype: str | None = None,
-    images_per_device: int = 1,
-    devices: list[jax.Device] | None = None,
-    safety_checker: bool = True,
-    controlnet: str | os.PathLike | None = None,
-    loras: dict[str, str | os.PathLike] | None = None,
-    **serving,
-) -> Engine:
-    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
-
-    `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
-    repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
-    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews). `controlnet`: a diffusers-format
-    ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`: name ->
-    LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
-    """
-    dtype = dtype or default_dtype()
-    model = load_model_folder(source, dtype)
-    if controlnet is not None:
-        model = attach_controlnet(model, load_controlnet(controlnet, dtype))
-    factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
-    checker = None
-    if safety_checker:
-        from ..loading.safety import load_safety_checker
-
-        checker = load_safety_checker(source, dtype)
-    engine = Engine(
-        model, devices=devices, images_per_device=images_per_device, safety=checker, loras=factors, **serving
-    )
-    if not safety_checker:
-        engine.safety_mode = "off"
-    return engine

@@ -1,0 +1,64 @@
+"""Starting an engine: the run dtype, the on-disk compilation cache, and `load_pipeline`, which loads a model
+with its ControlNet, LoRAs and safety checker and puts it on the devices."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+from ..families.loader import load_model_folder
+from ..loading.controlnet import attach_controlnet, load_controlnet
+from ..loading.lora import load_lora, lora_factors
+from .engine import Engine
+
+
+def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
+    """Keeps compiled programs on disk (JAX_SD_CACHE_DIR, default ~/.cache/jax-sd/xla)."""
+    path = Path(path or os.environ.get("JAX_SD_CACHE_DIR") or Path.home() / ".cache" / "jax-sd" / "xla")
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_pipeline(
+    source: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    images_per_device: int = 1,
+    devices: list[jax.Device] | None = None,
+    safety_checker: bool = True,
+    controlnet: str | os.PathLike | None = None,
+    loras: dict[str, str | os.PathLike] | None = None,
+    **serving,
+) -> Engine:
+    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
+
+    `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
+    repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
+    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews). `controlnet`: a diffusers-format
+    ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`: name ->
+    LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
+    """
+    dtype = dtype or default_dtype()
+    model = load_model_folder(source, dtype)
+    if controlnet is not None:
+        model = attach_controlnet(model, load_controlnet(controlnet, dtype))
+    factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
+    checker = None
+    if safety_checker:
+        from ..loading.safety import load_safety_checker
+
+        checker = load_safety_checker(source, dtype)
+    engine = Engine(
+        model, devices=devices, images_per_device=images_per_device, safety=checker, loras=factors, **serving
+    )
+    if not safety_checker:
+        engine.safety_mode = "off"
+    return engine
