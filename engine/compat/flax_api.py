@@ -68,7 +68,10 @@ GONE = {
 }
 _GONE_ATTRIBUTES = {
     **dict.fromkeys(COMPONENTS[:2] + COMPONENTS[4:], f"params[...] holds their weights; the models are {_MODELS}"),
-    **dict.fromkeys(("_get_has_nsfw_concepts", "_run_safety_checker"), "there is no safety checker here yet"),
+    **dict.fromkeys(
+        ("_get_has_nsfw_concepts", "_run_safety_checker"),
+        "the folder's own safety checker runs inside the pipeline call (engine.models.safety)",
+    ),
     "save_pretrained": "the folder it was loaded from is already in diffusers format: copy that folder",
     "to": "JAX places arrays itself: use jax.device_put on params",
     "components": "params (the weights) and the pipeline's tokenizer and scheduler",

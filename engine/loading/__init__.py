@@ -1,1 +1,8 @@
-"""TODO"""
+"""Reading what people publish: model sources (folders, the Hub, the embedded default), safetensors memory-mapped
+and converted strictly into our layout, tokenizers, VAEs, ControlNets, LoRAs (every key layout) and safety checkers.
+
+Nothing here knows a model family: a folder is components with configs and tensors; `engine/families/` says what
+a family's folder must hold and builds it.
+
+May import: `engine.models`, `engine.nn`, `engine.errors`, huggingface_hub, safetensors, transformers' tokenizers.
+"""

@@ -1,1 +1,8 @@
-"""TODO"""
+"""Layers every network is built from: convolutions, norms, linear maps, timestep embeddings, attention.
+
+`layers.py` holds the building blocks named after diffusers' modules (`ResnetBlock2D`, `Attention`,
+`Transformer2DModel`'s pieces) and `attention.py` the backend's best attention path (query blocks on a CPU,
+cuDNN's fused attention on a GPU, Pallas flash attention on a TPU). NHWC throughout.
+
+May import: jax, flax, numpy. Nothing of the engine: this is the bottom layer.
+"""
