@@ -3,8 +3,9 @@
     serve run serve_config.yaml        # a local cluster, or the head node of a real one
 
 `EngineReplica` (replica.py) holds one warmed-up engine per accelerator host; `RemoteEngine` (remote.py)
-gives the page the engine's face over the replicas; `Page` and `build_app` (ingress.py) serve the page
-as the cluster's ingress. Ray is needed here only: `python app.py` and the engine never import it.
+gives the web layer the engine's face over the replicas; `Page` (ingress.py) serves `web.build_app` as the
+cluster's ingress, and `build_app` makes the application from a Serve config's args. Ray is needed here
+only: `python app.py`, `web` and the engine never import it.
 """
 
 from .ingress import Page, application, build_app

@@ -1,6 +1,6 @@
-"""The cluster's front door: the Gradio page of `app.py`, served by a Ray Serve ingress over the replicas.
+"""The cluster's front door: the web app of `python app.py`, served by a Ray Serve ingress over the replicas.
 
-The page is `app.create_demo` over a `RemoteEngine`, mounted on a FastAPI app with Gradio's own
+The app is `web.build_app` over a `RemoteEngine`: a FastAPI app with the Gradio page mounted by Gradio's own
 `gr.mount_gradio_app` (which starts Gradio's queue with the app's lifespan; Serve's `GradioIngress`
 builds the app without that, so its queue would wait for a browser to start it). The same `/generate`
 API answers `gradio_client`. One page replica: Gradio's queue and its files live in that process, so a
@@ -11,7 +11,6 @@ user's events and pictures must come from the replica that took the request.
 
 from __future__ import annotations
 
-import gradio as gr
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
@@ -36,12 +35,12 @@ class Page:
         self.engine = RemoteEngine(engines, description, model=self.settings.model, retries=self.settings.retries)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        import app  # the page (app.py at the repository root); imported here, where it is served
+        import web  # the web layer (web/ at the repository root); imported here, where it is served
 
         s = self.settings
-        demo = app.create_demo(self.engine, images_per_device=s.images_per_device, concurrency=s.concurrency)
-        demo.queue(max_size=s.queue_size)
-        return gr.mount_gradio_app(FastAPI(), demo, path="/", theme=app.THEME, show_error=True)
+        return web.build_app(
+            self.engine, images_per_device=s.images_per_device, concurrency=s.concurrency, queue_size=s.queue_size
+        )
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -1,11 +1,11 @@
 """`RemoteEngine`: the engine's public face over a Ray Serve deployment of engine replicas.
 
-`app.create_demo` takes any object with the engine's face (defaults, limits, devices, batch_size, names,
-`ready`, `submit(GenerationRequest) -> Ticket`), so the page in front of a cluster is the page of
-`python app.py`, unchanged. `submit` checks the request against the replicas' published `Limits` at once
-(the same messages as one machine), then streams one replica's events into a local `Ticket`:
-`handle.options(stream=True).generate.remote(...)`. Cancelling the ticket (Stop, a closed tab) cancels
-that call, and Serve cancels the request on its replica.
+The web layer takes any object with the engine's face (`web.EngineFace`: defaults, limits, devices,
+batch_size, names, `ready`, `submit(GenerationRequest) -> Ticket`, ...), so the web app in front of a
+cluster is the one of `python app.py`, unchanged. `submit` checks the request against the replicas'
+published `Limits` at once (the same messages as one machine), then streams one replica's events into a
+local `Ticket`: `handle.options(stream=True).generate.remote(...)`. Cancelling the ticket (Stop, a closed
+tab) cancels that call, and Serve cancels the request on its replica.
 
 A replica that dies mid-request (its process or host lost) ends the stream with `ActorDiedError`; the
 request is then drawn again from the start on another replica, once by default (`retries`). Why retry
@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 import engine
-from engine.serving.ticket import cancelled
+from engine import cancelled
 
 from .replica import Description
 
@@ -65,7 +65,8 @@ class RemoteTicket(engine.Ticket):
 
 
 class RemoteEngine:
-    """Submits to the replicas of one Serve deployment (`EngineReplica`); safe to call from many threads."""
+    """Submits to the replicas of one Serve deployment (`EngineReplica`); safe to call from many threads.
+    It has the engine face the web layer reads (`web.EngineFace`)."""
 
     def __init__(
         self,
@@ -83,6 +84,8 @@ class RemoteEngine:
         self.family = d.family
         self.variant = d.variant
         self.controlnet = d.controlnet
+        self.safety_mode = d.safety_mode
+        self.core_pairs = d.core_pairs  # the replicas' devices are core pairs
         self.label = f"{d.label} · Ray Serve cluster"
         self.defaults = dict(d.defaults)
         self.limits = d.limits

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ray import serve
 
 import engine
-from engine.serving.ticket import Event
+from engine import Event
 
 from .settings import ClusterSettings
 
@@ -48,6 +48,8 @@ class Description:
     pid: int
     variant: engine.Variant | None = None  # what the model is: the picture inputs it takes
     controlnet: str | None = None  # the ControlNet's source, when the replicas loaded one
+    safety_mode: str = "none"  # "on", "off" or "none" (the model ships no safety checker)
+    core_pairs: bool = False  # each device is a pair of XLA CPU devices
 
 
 def served_name(model: str | None) -> str:
@@ -116,6 +118,8 @@ class EngineReplica:
             pid=os.getpid(),
             variant=e.variant,
             controlnet=e.controlnet,
+            safety_mode=e.safety_mode,
+            core_pairs=e.core_pairs,
         )
 
     def activity(self) -> dict:

@@ -11,23 +11,27 @@ position, progress, previews, the result), `ticket.result()` or `ticket.cancel()
 
 from .errors import Busy, Cancelled, GenerationFailed, InvalidRequest, SourceError, WeightsError
 from .families import VARIANTS, Variant
+from .protocol import EngineFace
 from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
 from .sampling.images import canny_image
 from .sampling.pairs import pair_cores
 from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine
 from .serving.start import enable_compile_cache, load_pipeline
-from .serving.ticket import Failed, Finished, Preview, Progress, Queued, Ticket
+from .serving.ticket import Event, Failed, Finished, Preview, Progress, Queued, Ticket, cancelled
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
     "SEED_LIMIT",
     "VARIANTS",
     "Variant",
+    "cancelled",
     "canny_image",
     "pair_cores",
     "Busy",
     "Cancelled",
     "Engine",
+    "EngineFace",
+    "Event",
     "Failed",
     "Finished",
     "GenerationFailed",

@@ -21,7 +21,9 @@ from PIL import Image
 import app
 import engine
 from engine.compat.pnginfo import GenerationParameters, png_info, save_png
+from engine.serving.warmup import Warmup
 from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
+from web import handlers, page, requests
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
 
@@ -31,12 +33,12 @@ class FakeEngine:
 
     defaults = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "ddim"}
     family = "sd"
-    variant = engine.families.variants.VARIANTS[0]  # text-to-image SD: every mode
+    variant = engine.VARIANTS[0]  # text-to-image SD: every mode
     model_name = "fake"
     devices = ["cpu:0", "cpu:1"]
     batch_size = 4
     ready = True
-    warmup_state = engine.serving.engine.Warmup(seconds=1.0)
+    warmup_state = Warmup(seconds=1.0)
     example_prompts = ["a red circle on a blue background", "Armchair in the shape of an avocado"]
     limits = engine.Limits(
         schedulers=("pndm", "ddim"),
@@ -111,13 +113,15 @@ def run(pipe, values, progress=None) -> list[tuple]:
     """Every update the handler streams to the page, in order."""
 
     async def collect():
-        return [update async for update in app.run_generation(pipe, values, progress)]
+        return [update async for update in page.run_generation(pipe, values, progress)]
 
     return asyncio.run(collect())
 
 
 def test_parse_request_turns_page_values_into_a_request():
-    request = app.parse_request(FakeEngine(), **page_values(seed="12", steps=4.0, images_per_device=2, size="88x64"))
+    request = requests.parse_request(
+        FakeEngine(), **page_values(seed="12", steps=4.0, images_per_device=2, size="88x64")
+    )
     assert request == engine.GenerationRequest(
         prompt="a cat",
         negative_prompt=None,  # an empty box means no negative prompt at all
@@ -129,7 +133,7 @@ def test_parse_request_turns_page_values_into_a_request():
         height=64,
         num_images=4,  # two devices, two each
     )
-    assert app.parse_request(FakeEngine(), **page_values(negative_prompt=" blurry ")).negative_prompt == "blurry"
+    assert requests.parse_request(FakeEngine(), **page_values(negative_prompt=" blurry ")).negative_prompt == "blurry"
 
 
 @pytest.mark.parametrize(
@@ -197,19 +201,19 @@ def test_engine_refusal_and_failure_become_messages():
 
 def test_a_model_with_its_own_examples_shows_only_those():
     # The embedded model draws shapes; "HAL-9000 in the style of Van Gogh" would only disappoint.
-    assert app.example_prompts(FakeEngine()) == FakeEngine.example_prompts
+    assert page.example_prompts(FakeEngine()) == FakeEngine.example_prompts
 
 
 @pytest.mark.parametrize("own", [None, [], ["", ""]])
 def test_a_model_without_examples_shows_the_general_ones(own):
     engine = FakeEngine()
     engine.example_prompts = own
-    assert app.example_prompts(engine) == app.EXAMPLE_PROMPTS
-    assert len(set(app.EXAMPLE_PROMPTS)) == 8
+    assert page.example_prompts(engine) == page.EXAMPLE_PROMPTS
+    assert len(set(page.EXAMPLE_PROMPTS)) == 8
 
 
 def test_the_page_reads_its_ranges_and_sizes_from_the_engines_limits():
-    demo = app.create_demo(FakeEngine())
+    demo = page.create_demo(FakeEngine())
     props = {c["props"].get("label"): c["props"] for c in demo.config["components"] if "label" in c["props"]}
     limits = FakeEngine.limits
     assert props["Steps"]["maximum"] == limits.max_steps
@@ -219,9 +223,9 @@ def test_the_page_reads_its_ranges_and_sizes_from_the_engines_limits():
 
 
 def test_demo_exposes_a_stable_api_name():
-    demo = app.create_demo(FakeEngine())
+    demo = page.create_demo(FakeEngine())
     names = [fn.api_name for fn in demo.fns.values() if fn.api_visibility == "public"]
-    assert names == [app.API_NAME]
+    assert names == [page.API_NAME]
 
 
 @pytest.mark.parametrize(
@@ -275,7 +279,7 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
         return queue(self, *args, **kwargs)
 
     monkeypatch.setattr(gr.Blocks, "queue", record_queue)
-    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(app.web, "serve", lambda web_app, **kwargs: seen.update(kwargs))
     app.main(argv)
     assert seen["cache"] and seen["pairs"] and seen["warmup"] == 2  # one image on each of the two devices
     assert {key: seen[key] for key in expected} == expected
@@ -426,17 +430,17 @@ def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
     picture = tmp_path / "p.png"
     Image.new("RGB", (64, 64), "red").save(picture)
     form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1]
-    history, shown = app.remember([], [(str(picture), "cpu:0 · seed 7")], *form)
-    history, shown = app.remember(
+    history, shown = handlers.remember([], [(str(picture), "cpu:0 · seed 7")], *form)
+    history, shown = handlers.remember(
         history, [(str(picture), "cpu:0 · seed 8")], "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1
     )
     assert [entry["prompt"] for entry in history] == ["a dog", "a cat"] and len(shown) == 2
     assert shown[1][0].size == (64, 64) and shown[1][1] == "seed 7"
     selected = gr.SelectData(None, {"index": 1, "value": None})
-    assert app.restore(history, selected) == [*form, False]
+    assert page.restore(history, selected) == [*form, False]
     for _ in range(30):
-        history, _ = app.remember(history, [(str(picture), "")], *form)
-    assert len(history) == app.HISTORY_LENGTH
+        history, _ = handlers.remember(history, [(str(picture), "")], *form)
+    assert len(history) == handlers.HISTORY_LENGTH
 
 
 def test_a_dropped_picture_fills_the_form_with_its_recipe(tmp_path):
@@ -453,7 +457,7 @@ def test_a_dropped_picture_fills_the_form_with_its_recipe(tmp_path):
         model="sd15",
     )
     save_png(Image.new("RGB", (88, 64)), picture, recipe)
-    *form, random_seed, note = app.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, note = page.read_png_info(FakeEngine(), str(picture))
     assert form[:6] == ["a cat, (masterpiece:1.2)", "blurry", 1234, 30, 6.5, "euler_a"]
     assert form[6] == "88x64" and random_seed is False and "seed 1234" in note
 
@@ -469,14 +473,14 @@ def test_automatic1111s_own_text_fills_the_form_the_same_way(tmp_path):
     info.add_text("parameters", text)
     picture = tmp_path / "a1111.png"
     Image.new("RGB", (88, 64)).save(picture, pnginfo=info)
-    *form, random_seed, _ = app.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, _ = page.read_png_info(FakeEngine(), str(picture))
     assert form[:7] == ["a photo of a cat", "ugly, blurry", 5, 20, 7.0, "euler_a", "88x64"]
 
 
 def test_a_picture_without_a_recipe_changes_nothing(tmp_path):
     picture = tmp_path / "plain.png"
     Image.new("RGB", (8, 8)).save(picture)
-    *form, random_seed, note = app.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, note = page.read_png_info(FakeEngine(), str(picture))
     assert "carries no generation parameters" in note
 
 
@@ -496,7 +500,7 @@ class AdapterEngine(FakeEngine):
 def test_the_page_shows_controlnet_and_lora_controls_only_when_the_server_loaded_them():
     def shown(pipe) -> dict[str, bool]:
         """Each control's label -> whether its accordion shows (a hidden accordion hides its children)."""
-        components = app.create_demo(pipe).config["components"]
+        components = page.create_demo(pipe).config["components"]
         accordions = {c["props"].get("label", "").split(":")[0].split(" ")[0]: c for c in components}
         return {
             label: label in {c["props"].get("label") for c in components}
@@ -507,7 +511,7 @@ def test_the_page_shows_controlnet_and_lora_controls_only_when_the_server_loaded
 
     assert shown(AdapterEngine()) == dict.fromkeys(ADAPTER_LABELS, True)
     assert not any(shown(FakeEngine()).values())
-    api = app.create_demo(AdapterEngine()).get_api_info()["named_endpoints"]["/generate"]["parameters"]
+    api = page.create_demo(AdapterEngine()).get_api_info()["named_endpoints"]["/generate"]["parameters"]
     defaults = {p["parameter_name"]: p["parameter_default"] for p in api}
     assert defaults["lora_scales"] == {"style": 1.0, "detail": 1.0} and defaults["control_image"] is None
     assert defaults["canny_edges"] is False and defaults["controlnet_conditioning_scale"] == 1.0
@@ -546,8 +550,8 @@ def test_picture_modes_become_image_mask_and_strength():
     pipe = FakeEngine()
 
     def request(mode, mask=None, strength=0.6):
-        fields = app.picture_fields(mode, editor, mask, strength)
-        return pipe.limits.resolve(app.parse_request(pipe, **page_values(), pictures=fields), pipe.defaults)
+        fields = requests.picture_fields(mode, editor, mask, strength)
+        return pipe.limits.resolve(requests.parse_request(pipe, **page_values(), pictures=fields), pipe.defaults)
 
     assert request("Text to image").image is None
     img2img = request("Image to image")
@@ -557,17 +561,17 @@ def test_picture_modes_become_image_mask_and_strength():
     assert painted.size == (88, 64) and painted.getbbox() == (10, 10, 30, 40)  # the stroke, white
     uploaded = Image.new("L", (88, 64), 255)
     assert request("Inpaint", mask=uploaded).mask_image is uploaded  # an uploaded mask wins over the painting
-    with pytest.raises(gr.Error, match="Inpaint needs a mask"):
-        app.picture_fields("Inpaint", {"background": picture, "layers": []}, None, 1.0)
-    with pytest.raises(gr.Error, match="Image to image needs a picture"):
-        app.picture_fields("Image to image", None, None, 0.5)
-    with pytest.raises(gr.Error, match="Mode must be one of"):
-        app.picture_fields("Outpaint", editor, None, 0.5)
+    with pytest.raises(engine.InvalidRequest, match="Inpaint needs a mask"):
+        requests.picture_fields("Inpaint", {"background": picture, "layers": []}, None, 1.0)
+    with pytest.raises(engine.InvalidRequest, match="Image to image needs a picture"):
+        requests.picture_fields("Image to image", None, None, 0.5)
+    with pytest.raises(engine.InvalidRequest, match="Mode must be one of"):
+        requests.picture_fields("Outpaint", editor, None, 0.5)
 
 
 def test_the_api_keeps_its_old_parameters_first_and_the_picture_ones_have_defaults():
-    demo = app.create_demo(FakeEngine())
-    api = demo.get_api_info()["named_endpoints"]["/" + app.API_NAME]["parameters"]
+    demo = page.create_demo(FakeEngine())
+    api = demo.get_api_info()["named_endpoints"]["/" + page.API_NAME]["parameters"]
     names = [p["parameter_name"] for p in api]
     assert names[:9] == ["prompt", "negative_prompt", "seed", "random_seed", "steps", "guidance_scale"] + [
         "scheduler",
@@ -578,3 +582,14 @@ def test_the_api_keeps_its_old_parameters_first_and_the_picture_ones_have_defaul
     assert {"mode", "picture", "mask", "strength"} <= set(extra)
     assert all(p["parameter_has_default"] for p in extra.values())
     assert extra["mode"]["parameter_default"] == "Text to image"
+
+
+def test_the_web_app_serves_the_page_at_its_root_with_the_queue_and_log_in_asked_for():
+    import web
+
+    site = web.build_app(FakeEngine(), queue_size=3, auth=[("ann", "secret")], concurrency=5)
+    demo = site.state.demo
+    (mount,) = [route for route in site.routes if getattr(route, "path", None) == ""]  # "/" mounts as ""
+    assert mount.app.get_blocks() is demo
+    assert demo._queue.max_size == 3 and demo.auth == [("ann", "secret")] and demo.show_error
+    assert {fn.concurrency_limit for fn in demo.fns.values() if fn.api_name == page.API_NAME} == {5}

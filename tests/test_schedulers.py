@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from diffusers.schedulers import scheduling_euler_ancestral_discrete
+from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 
 from engine import schedulers as S
 from engine.errors import ConfigError
@@ -68,6 +68,8 @@ CLASSES = {
     "euler_a": diffusers.EulerAncestralDiscreteScheduler,
     "dpm++2m": diffusers.DPMSolverMultistepScheduler,
     "dpm++2m_karras": diffusers.DPMSolverMultistepScheduler,
+    "lcm": diffusers.LCMScheduler,
+    "tcd": diffusers.TCDScheduler,
 }
 # diffusers gives NaN here: its sigma_down = sqrt(sigma_to^2 - sigma_up^2) is sqrt of a rounded-negative number.
 DIFFUSERS_NAN = {("euler_a", "karras_cosine", 4)}
@@ -91,11 +93,26 @@ def jax_model(x: jax.Array, t: jax.Array) -> jax.Array:
     return 0.1 * x + 0.5 * jnp.sin(0.01 * t + BASE)
 
 
+def same_draws(monkeypatch) -> list[int]:
+    """The stochastic schedulers draw their step noise from NOISE in order, as we hand ours NOISE[i]."""
+    draws = []
+
+    def randn_tensor(*args, **kwargs):
+        draws.append(len(draws))
+        return torch.from_numpy(NOISE[len(draws) - 1])
+
+    for module in (scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd):
+        monkeypatch.setattr(module, "randn_tensor", randn_tensor)
+    return draws
+
+
+def step_kwargs(scheduler, eta: float = 0.0) -> dict:
+    """What diffusers' pipelines pass to `step` besides the sample (`prepare_extra_step_kwargs`): eta, 0 by default."""
+    return {"eta": eta} if "eta" in inspect.signature(scheduler.step).parameters else {}
+
+
 def reference_loop(scheduler, n: int, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
-    draws = iter(NOISE)  # euler_a draws its noise here; we hand ours the same draws
-    monkeypatch.setattr(
-        scheduling_euler_ancestral_discrete, "randn_tensor", lambda *a, **k: torch.from_numpy(next(draws))
-    )
+    same_draws(monkeypatch)
     scheduler.set_timesteps(n)
     if hasattr(scheduler, "set_begin_index"):
         # diffusers finds where to start by looking the first timestep up, and when that timestep repeats
@@ -103,22 +120,28 @@ def reference_loop(scheduler, n: int, monkeypatch) -> tuple[np.ndarray, np.ndarr
         scheduler.set_begin_index(0)
     x = torch.from_numpy(LATENTS) * scheduler.init_noise_sigma
     for t in scheduler.timesteps:
-        x = scheduler.step(torch_model(scheduler.scale_model_input(x, t), t), t, x).prev_sample
+        x = scheduler.step(
+            torch_model(scheduler.scale_model_input(x, t), t), t, x, **step_kwargs(scheduler)
+        ).prev_sample
     return scheduler.timesteps.numpy(), x.numpy()
 
 
-def _denoise(kind: str, tables: S.Tables, latents: jax.Array, noise: jax.Array) -> jax.Array:
+def _loop(kind: str, tables: S.Tables, x: jax.Array, noise: jax.Array) -> jax.Array:
     # Static: kind (and the config options Tables keeps as static fields). Traced: the step count.
     def body(i, carry):
         x, state = carry
         model_output = jax_model(S.scale_model_input(kind, tables, i, x), S.timestep(tables, i))
         return S.step(kind, tables, state, i, model_output, x, noise[i])
 
-    x = latents * tables.init_noise_sigma
     return jax.lax.fori_loop(0, tables.num_loop_steps, body, (x, S.init_state(kind, x)))[0]
 
 
+def _denoise(kind: str, tables: S.Tables, latents: jax.Array, noise: jax.Array) -> jax.Array:
+    return _loop(kind, tables, latents * tables.init_noise_sigma, noise)
+
+
 denoise = jax.jit(_denoise, static_argnames="kind")
+loop = jax.jit(_loop, static_argnames="kind")
 
 
 def assert_matches_diffusers(kind: str, raw: dict, n: int, tmp_path, monkeypatch, diffusers_nan: bool = False):
@@ -211,6 +234,8 @@ def test_from_json_reads_a_folder_file(tmp_path):
         ("EulerAncestralDiscreteScheduler", None, "euler_a"),
         ("DPMSolverMultistepScheduler", None, "dpm++2m"),
         ("DPMSolverMultistepScheduler", True, "dpm++2m_karras"),
+        ("LCMScheduler", None, "lcm"),
+        ("TCDScheduler", None, "tcd"),
         ("LMSDiscreteScheduler", None, None),
         (None, None, None),
     ],
@@ -297,3 +322,98 @@ def test_trailing_spacing_runs_the_steps_asked_for(tmp_path):
     tables = S.tables(S.SchedulerConfig.from_dict(CONFIGS["turbo_trailing"]), "ddim", n, 64)
     assert int(tables.num_loop_steps) == n
     np.testing.assert_array_equal(tables.timesteps[:n], scheduler.timesteps.numpy()[:n])
+
+
+# SimianLuo/LCM_Dreamshaper_v7 scheduler/scheduler_config.json; TCD runs on the same SD betas.
+LCM_FOLDER = {
+    **dict(_class_name="LCMScheduler", **SD, clip_sample=False, original_inference_steps=50),
+    **dict(prediction_type="epsilon", rescale_betas_zero_snr=False, set_alpha_to_one=True, steps_offset=1),
+    **dict(thresholding=False, timestep_scaling=10.0, timestep_spacing="leading", trained_betas=None),
+}
+FEW_STEP_COUNTS = (1, 2, 4, 8)
+FEW_STEP_CASES = [("lcm", 0.0), ("tcd", 0.0), ("tcd", 0.3)]
+IMAGE = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32)
+one_step = jax.jit(S.step, static_argnums=0)
+
+
+def assert_close(got, want):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("n", FEW_STEP_COUNTS)
+@pytest.mark.parametrize(("kind", "eta"), FEW_STEP_CASES)
+def test_few_step_samplers_match_diffusers_at_every_step(kind, eta, n, tmp_path, monkeypatch):
+    # Each step from the same sample, model output and noise on both sides, so errors cannot compound.
+    draws = same_draws(monkeypatch)
+    reference = reference_scheduler(LCM_FOLDER, kind, tmp_path)
+    reference.set_timesteps(n)
+    tables = S.tables(S.SchedulerConfig.from_dict(LCM_FOLDER), kind, n, MAX_STEPS, eta=eta)
+    assert int(tables.num_loop_steps) == n
+    np.testing.assert_array_equal(tables.timesteps[:n], reference.timesteps.numpy().astype(np.float32))
+    x = torch.from_numpy(LATENTS)
+    state = S.init_state(kind, jnp.asarray(LATENTS))
+    for i, t in enumerate(reference.timesteps):
+        model_output = torch_model(x, t)
+        out = reference.step(model_output, t, x, **step_kwargs(reference, eta))
+        got, state = one_step(kind, tables, state, jnp.int32(i), model_output.numpy(), x.numpy(), NOISE[i])
+        assert_close(got, out.prev_sample.numpy())
+        x = out.prev_sample
+    # The last step lands on what the pipelines decode: LCM's `denoised`, TCD's x_s (its `prev_sample`).
+    assert_close(got, (out.denoised if kind == "lcm" else out.pred_noised_sample).numpy())
+    assert len(draws) == (n - 1 if kind == "lcm" or eta > 0 else 0)
+
+
+@pytest.mark.parametrize("strength", [0.3, 0.6, 1.0])
+@pytest.mark.parametrize(("kind", "eta"), [("lcm", 0.0), ("tcd", 0.3)])
+def test_few_step_image_to_image_matches_diffusers(kind, eta, strength, tmp_path, monkeypatch):
+    # LCM as LatentConsistencyModelImg2ImgPipeline (`set_timesteps(n, strength=)` shortens the grid, all n steps
+    # run); TCD as the generic img2img pipelines (the full grid cut at `get_timesteps`' start step).
+    n = 4
+    same_draws(monkeypatch)
+    reference = reference_scheduler(LCM_FOLDER, kind, tmp_path)
+    if kind == "lcm":
+        reference.set_timesteps(n, strength=strength)
+        timesteps = reference.timesteps
+    else:
+        reference.set_timesteps(n)
+        start = S.start_step(n, strength)
+        timesteps = reference.timesteps[start:]
+        reference.set_begin_index(start)
+    x = reference.add_noise(torch.from_numpy(IMAGE), torch.from_numpy(LATENTS), timesteps[:1])
+    for t in timesteps:
+        x = reference.step(torch_model(x, t), t, x, **step_kwargs(reference, eta)).prev_sample
+
+    tables = S.tables(S.SchedulerConfig.from_dict(LCM_FOLDER), kind, n, MAX_STEPS, strength=strength, eta=eta)
+    assert int(tables.num_loop_steps) == len(timesteps)
+    np.testing.assert_array_equal(tables.timesteps[: len(timesteps)], timesteps.numpy().astype(np.float32))
+    got = loop(kind, tables, tables.init_signal * IMAGE + tables.init_noise_sigma * LATENTS, NOISE)
+    assert_close(got, x.numpy())
+
+
+def test_lcm_strength_that_leaves_too_few_grid_points_is_refused():
+    with pytest.raises(ValueError, match="strength"):  # int(50 * 0.05) = 2 grid points for 4 steps
+        S.tables(S.SchedulerConfig.from_dict(LCM_FOLDER), "lcm", 4, MAX_STEPS, strength=0.05)
+    with pytest.raises(ValueError, match="original_inference_steps"):
+        S.tables(S.SchedulerConfig.from_dict({**LCM_FOLDER, "original_inference_steps": 8}), "lcm", 10, MAX_STEPS)
+
+
+def test_a_new_eta_is_new_table_values_not_a_new_program():
+    fn = jax.jit(lambda tables, latents, noise: _denoise("tcd", tables, latents, noise))
+    config = S.SchedulerConfig.from_dict(LCM_FOLDER)
+    for eta in (0.0, 0.3, 1.0):
+        fn(S.tables(config, "tcd", 4, MAX_STEPS, eta=eta), LATENTS, NOISE).block_until_ready()
+    assert fn._cache_size() == 1
+    with pytest.raises(ValueError, match="eta"):
+        S.tables(config, "tcd", 4, MAX_STEPS, eta=1.5)
+
+
+def test_the_registry_names_one_module_per_algorithm():
+    assert S.SCHEDULERS == tuple(S.ALGORITHMS)
+    assert [kind for kind in S.SCHEDULERS if S.stochastic(kind)] == ["euler_a", "lcm", "tcd"]
+    interface = "CLASS_NAME DEFAULTS PREDICTIONS ONLY FORCED STOCHASTIC alphas_cumprod schedule init_state".split()
+    for kind in S.SCHEDULERS:
+        module = S.get(kind)
+        assert all(hasattr(module, name) for name in [*interface, "scale_model_input", "step"]), kind
+        assert list(inspect.signature(module.step).parameters) == ["t", "state", "i", "model_output", "x", "noise"]
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        S.stochastic("heun")

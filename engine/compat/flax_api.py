@@ -161,7 +161,7 @@ def _generate(
         out = models.unet(jnp.concatenate([model_in, model_in]), t, cond.context, cond.text_embeds, cond.time_ids)
         uncond, text = jnp.split(out.astype(jnp.float32), 2)
         eps = uncond + g * (text - uncond)
-        fresh = _old_normal(jax.random.fold_in(key, i + 1), x.shape) if spec.kind == "euler_a" else None
+        fresh = _old_normal(jax.random.fold_in(key, i + 1), x.shape) if schedulers.stochastic(spec.kind) else None
         return schedulers.step(spec.kind, tables, state, i, eps, x, fresh)
 
     state = schedulers.init_state(spec.kind, x)

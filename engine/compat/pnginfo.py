@@ -38,6 +38,8 @@ SAMPLER_NAMES = {
     "euler_a": "Euler a",
     "dpm++2m": "DPM++ 2M",
     "dpm++2m_karras": "DPM++ 2M Karras",
+    "lcm": "LCM",  # A1111's name for it
+    "tcd": "TCD",  # A1111 has none; Forge and SD.Next call it this
 }
 # A1111 1.9 split the sigma schedule out of the sampler name ("DPM++ 2M Karras" became "DPM++ 2M" with
 # "Schedule type: Karras"), and its "Automatic" schedule is Karras for DPM++ 2M and the model's own

@@ -246,7 +246,7 @@ def advance(
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
             g = slots.guidance_scale[:, None, None, None]
             out = out[:, 0] + g * (out[:, 1] - out[:, 0])
-        if kind == "euler_a":  # fresh noise per step from the slot's own key: the same on any batch or device
+        if schedulers.stochastic(kind):  # fresh noise per step from the slot's own key: the same on any batch or device
             noise = jax.vmap(lambda k, j: jax.random.normal(jax.random.fold_in(k, j + 1), x.shape[1:], jnp.float32))(
                 keys, i
             )

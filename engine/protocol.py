@@ -1,0 +1,62 @@
+"""`EngineFace`: what the web layer reads from an engine, the engine's public face as a type.
+
+`engine.Engine` (one machine) and `cluster.RemoteEngine` (replicas behind Ray Serve) both have it, and so
+can a test's stand-in: the page and the APIs take any object with these members and never look further.
+The members under "read with a fallback" may be missing on a stand-in; the page then assumes the plain
+case (a text-to-image model, no adapters, no safety checker, one XLA device per device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from PIL import Image
+
+from .families import Variant
+from .request import GenerationRequest, Limits
+from .serving.ticket import Ticket
+
+
+class Warmup(Protocol):
+    """The start-up compilation: its time, or why it failed (`engine.Engine.warmup_state`)."""
+
+    seconds: float | None
+    error: str | None
+
+
+class EngineFace(Protocol):
+    # What the model is and where it runs
+    model_name: str  # "embedded default", a Hub id or a folder: the pictures' recipes name it
+    family: str  # the family record's name (engine.families.FAMILIES)
+    devices: list[str]  # one name per device ("cpu:0", "cpu:0+1"); a request's pictures are spread over them
+    batch_size: int  # pictures drawn at once; the page hands the engine twice as many requests
+
+    # What a request may ask for
+    defaults: dict[str, Any]  # num_inference_steps, guidance_scale, width, height, scheduler
+    limits: Limits  # every range, the sizes offered, the schedulers, the ControlNet and LoRAs
+
+    # Read with a fallback
+    label: str | None  # "Stable Diffusion XL Turbo"; else `family`
+    variant: Variant | None  # the picture inputs it takes; else text to image (engine.VARIANTS[0])
+    controlnet: str | None  # the ControlNet's source, when one is loaded
+    safety_mode: str  # "on", "off" (--no-safety-checker) or "none" (the model ships none)
+    core_pairs: bool  # each device is a pair of XLA CPU devices
+    example_prompts: list[str]  # the model's own examples; else the page's general ones
+
+    # Warm-up
+    @property
+    def ready(self) -> bool:
+        """The warm-up is done (or failed): requests no longer wait for it."""
+        ...
+
+    @property
+    def warmup_state(self) -> Warmup: ...
+
+    # Work
+    def submit(self, request: GenerationRequest) -> Ticket:
+        """Returns at once with the request's ticket; raises `engine.InvalidRequest` or `engine.Busy`."""
+        ...
+
+    def canny_image(self, image: Image.Image) -> Image.Image:
+        """The Canny edge map of a control picture, as the ControlNet will see it."""
+        ...

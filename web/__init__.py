@@ -1,0 +1,17 @@
+"""The web layer of jax-sd: every door through which people reach the engine, served as one FastAPI app.
+
+Here live the Gradio page (page.py: widgets and wiring; handlers.py: what its events do, over plain values),
+the parsing of raw page or JSON values into an `engine.GenerationRequest` (requests.py, shared by every
+door; it raises `engine.InvalidRequest`, which each door turns into its own refusal), the engine face the
+web layer reads (`engine.EngineFace`, which `engine.Engine` and `cluster.RemoteEngine` both have), and
+the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, REST routers go before it;
+`serve` runs it with uvicorn). Code here imports the engine only through its public face, `import engine` /
+`from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures
+carry. Never the engine's internals, and never Ray: `python app.py` and the cluster's ingress serve the
+same `build_app`.
+"""
+
+from .page import API_NAME, THEME, create_demo
+from .server import build_app, serve
+
+__all__ = ["API_NAME", "THEME", "build_app", "create_demo", "serve"]

@@ -1,0 +1,270 @@
+"""What the page's events do, as plain functions over plain values: no widgets here.
+
+A generation is `submit` (raw values -> a request and its ticket; raises `engine.InvalidRequest` or
+`engine.Busy`), then `stream` (the ticket's events -> updates of the gallery, the seed and the details;
+raises the engine's error when the request fails, `engine.Cancelled` when it was stopped). An update value
+of None means "leave it as it is". The page (page.py) maps None to `gr.skip()` and errors to `gr.Error`.
+
+Also here: the status and model lines, the history kept in the browser, a dropped picture's recipe, the
+live mode's bookkeeping and the ControlNet's preview.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from PIL import Image
+
+import engine
+from engine.compat.pnginfo import GenerationParameters, png_info, save_png
+
+from .requests import as_bool, parse_request, size_choices
+
+log = logging.getLogger("jax-sd")
+
+# The form's fields, in the order the page lists them: history entries, live drawings and PNG info use them.
+FORM_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "scheduler", "size", "images_per_device")
+HISTORY_LENGTH = 20
+LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
+THUMBNAIL_SIDE = 96
+
+Update = tuple[list | None, int, str]  # (gallery, seed used, details); a None gallery is left as it is
+Progress = Callable[..., Any]  # progress((step, total), desc=..., unit=...), as Gradio's tracker takes it
+
+
+# ---- the lines that say what the server runs --------------------------------------------------
+
+
+def model_summary(pipe: engine.EngineFace) -> str:
+    """The model's family and the settings the page starts from, which follow the model (Turbo: 1 step, no guidance)."""
+    d = pipe.defaults
+    family = getattr(pipe, "label", None) or pipe.family
+    safety = {
+        "on": "the model's safety checker withholds flagged pictures",
+        "off": "safety checker off (--no-safety-checker)",
+        "none": "this model ships no safety checker: pictures are not filtered",
+    }[getattr(pipe, "safety_mode", "none")]
+    adapters = ""
+    if getattr(pipe, "controlnet", None):
+        adapters += f" · ControlNet `{pipe.controlnet}`"
+    if getattr(pipe.limits, "loras", ()):
+        adapters += f" · LoRAs: {', '.join(pipe.limits.loras)}"
+    return (
+        f"**{family}** · defaults: {d['width']}×{d['height']}, {d['num_inference_steps']} steps, "
+        f"guidance {d['guidance_scale']:g}, {d['scheduler']} · {safety}{adapters}"
+    )
+
+
+def status_line(pipe: engine.EngineFace) -> str:
+    """Warming up, or ready: where the model runs, how many pictures at once, how the warm-up went."""
+    n = len(pipe.devices)
+    unit = "core pair" if getattr(pipe, "core_pairs", False) else "device"
+    where = f"`{pipe.model_name}` on {n} {unit}{'s' if n != 1 else ''} ({', '.join(pipe.devices)})"
+    slots = f"{pipe.batch_size} pictures drawn at once"
+    state = pipe.warmup_state
+    if not pipe.ready:
+        return f"**Warming up**: compiling {where} for the default size. Requests wait until it is done."
+    if state.error:
+        return f"Ready: {where}, {slots}. Warm-up failed ({state.error}); the first request compiles instead."
+    if state.seconds is None:
+        return f"Ready: {where}, {slots}."
+    return f"Ready: {where}, {slots}. Warm-up compiled in {state.seconds:.1f} s."
+
+
+# ---- one generation, streamed ----------------------------------------------------------------
+
+
+def describe(result: engine.GenerationResult, random_seed: bool) -> str:
+    """The details line under the pictures."""
+    r = result.request
+    n = len(result.images)
+    parts = [
+        f"**{n} image{'s' if n != 1 else ''}** in {result.timings['total_s']:.1f} s",
+        f"{r.width}×{r.height}",
+        f"{r.num_inference_steps} steps" + (f", strength {r.strength:g}" if r.image is not None else ""),
+        f"{r.scheduler}",
+        f"seed {r.seed}" + (" (random)" if random_seed else ""),
+    ]
+    text = " · ".join(parts)
+    if result.timings.get("queue_s", 0) >= 0.5:
+        text += f"  \nWaited {result.timings['queue_s']:.1f} s for a free slot."
+    if result.compiled:
+        text += f"  \nIncludes compiling for this size ({result.timings['compile_s']:.1f} s), which happens once."
+    filtered = sum(result.nsfw_content_detected or [])
+    if filtered:
+        text += (
+            f"  \n{filtered} picture{'s were' if filtered != 1 else ' was'} withheld by the safety checker; "
+            "try another seed or prompt."
+        )
+    for warning in result.warnings:
+        text += f"  \nNote: {warning}"
+    return text
+
+
+def with_parameters(image: Image.Image, request: engine.GenerationRequest, seed: int, model: str) -> str:
+    """The picture as a PNG file that carries its recipe (A1111's "parameters" chunk): what the gallery serves,
+    so a downloaded picture remembers how it was made."""
+    handle, path = tempfile.mkstemp(suffix=".png", prefix=f"seed{seed}-")
+    os.close(handle)
+    save_png(image, path, GenerationParameters.from_request(request, seed, model))
+    return path
+
+
+def _placeholder(size: tuple[int, int]) -> Image.Image:
+    # A plain grey picture where the safety checker withheld one; its caption says why, and its seed.
+    return Image.new("RGB", size, (128, 128, 128))
+
+
+def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, step: str) -> list:
+    # Latent-resolution previews, scaled up so that they fill the picture's place in the gallery.
+    return [
+        (Image.fromarray(img).resize((request.width, request.height), Image.Resampling.BILINEAR), f"preview · {step}")
+        for img in event.images
+    ]
+
+
+def submit(pipe: engine.EngineFace, raw: dict[str, Any]) -> tuple[engine.GenerationRequest, engine.Ticket]:
+    """Raw values (`parse_request`'s arguments) -> the request and its ticket.
+    Raises `engine.InvalidRequest` (a value) or `engine.Busy` (the waiting room is full)."""
+    request = parse_request(pipe, **raw)
+    return request, pipe.submit(request)
+
+
+async def stream(
+    pipe: engine.EngineFace,
+    request: engine.GenerationRequest,
+    ticket: engine.Ticket,
+    random_seed: Any = False,
+    progress: Progress | None = None,
+) -> AsyncIterator[Update]:
+    """The ticket's events as updates: queue position, previews, then the pictures with "device · seed"
+    captions (PNG files with their recipe). Raises the request's error if it fails (`engine.Cancelled`: stopped)."""
+    step = "starting"
+    async for event in ticket.aevents():
+        if isinstance(event, engine.Queued):
+            yield None, request.seed, f"Waiting for a free slot: number {event.position} in line."
+        elif isinstance(event, engine.Progress):
+            step = f"step {event.step}/{event.total}"
+            if progress is not None:
+                progress((event.step, event.total), desc="Denoising", unit="steps")
+        elif isinstance(event, engine.Preview):
+            yield _preview_gallery(event, ticket.request, step), request.seed, f"Drawing: {step}"
+        elif isinstance(event, engine.Failed):
+            raise event.error
+        elif isinstance(event, engine.Finished):
+            result = event.result
+            flagged = result.nsfw_content_detected or [False] * len(result.images)
+            gallery = [
+                (_placeholder(image.size), f"filtered by the safety checker · seed {seed}")
+                if withheld
+                else (with_parameters(image, result.request, seed, pipe.model_name), f"{device} · seed {seed}")
+                for image, device, seed, withheld in zip(
+                    result.images, result.devices, result.seeds, flagged, strict=True
+                )
+            ]
+            yield gallery, request.seed, describe(result, as_bool(random_seed))
+
+
+# ---- a dropped picture's recipe ---------------------------------------------------------------
+
+
+def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
+    """A dropped picture's recipe: the form's values (FORM_FIELDS), then random_seed, then a note.
+    None leaves a field as it is."""
+    params = png_info(image) if image is not None else None
+    if params is None:
+        note = "That picture carries no generation parameters." if image is not None else None
+        return [None] * (len(FORM_FIELDS) + 1) + [note]
+    fields = params.request_fields()
+    size = f"{params.width}x{params.height}" if params.width and params.height else None
+    offered = size_choices(pipe)
+    values = {
+        "prompt": params.prompt,
+        "negative_prompt": params.negative_prompt,
+        "seed": params.seed,
+        "steps": fields.get("num_inference_steps"),
+        "guidance_scale": params.guidance_scale,
+        "scheduler": params.scheduler,
+        "size": size if size and (offered is None or size in offered) else None,
+        "images_per_device": None,
+    }
+    notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
+    if size and values["size"] is None:
+        notes.append(f"Its size {size} is not offered here; the size is unchanged.")
+    if params.scheduler is None:
+        notes.append("Its sampler is not one of ours; the scheduler is unchanged.")
+    return [*(values[name] for name in FORM_FIELDS), False, " ".join(notes)]
+
+
+# ---- history (kept in the browser) ------------------------------------------------------------
+
+
+def _thumbnail(path: str) -> str:
+    with Image.open(path) as image:
+        image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def show_history(history: list[dict] | None) -> list:
+    """The history's thumbnails, captioned with their seeds."""
+    items = []
+    for entry in history or []:
+        image = Image.open(io.BytesIO(base64.b64decode(entry["thumbnail"])))
+        items.append((image, f"seed {entry['seed']}"))
+    return items
+
+
+def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[list[dict], list]:
+    """Puts the finished generation first in the browser's history: its settings and a thumbnail."""
+    if not gallery:
+        return history or [], show_history(history)
+    first = gallery[0][0] if isinstance(gallery[0], list | tuple) else gallery[0]
+    entry = dict(zip(FORM_FIELDS, form, strict=True), thumbnail=_thumbnail(first))
+    history = [entry, *(history or [])][:HISTORY_LENGTH]
+    return history, show_history(history)
+
+
+def restore(history: list[dict], index: int) -> list:
+    """The settings of the generation at `index`, for the form (its seed fixed, so it draws the same)."""
+    entry = history[index]
+    return [entry[name] for name in FORM_FIELDS] + [False]
+
+
+# ---- live mode and the ControlNet's preview -------------------------------------------------
+
+
+class LiveTexts:
+    """The latest text typed in each browser tab: a live drawing runs only if its text is still the latest,
+    so a burst of typing makes one picture, for its end."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._latest: dict[str, str] = {}
+
+    def note(self, session: str, text: str) -> None:
+        self._latest[session] = text
+        while len(self._latest) > self.capacity:  # one entry per browser tab; the oldest go first
+            self._latest.pop(next(iter(self._latest)))
+
+    def is_latest(self, session: str, text: str) -> bool:
+        return self._latest.get(session) == text
+
+
+def live_values(*form: Any) -> dict[str, Any]:
+    """A live drawing's raw values: the form's, with its seed as it stands."""
+    return dict(zip(FORM_FIELDS, form, strict=True), random_seed=False)
+
+
+def control_preview(pipe: engine.EngineFace, picture: Image.Image | None, canny: bool) -> Image.Image | None:
+    """What the ControlNet will see: the picture, or its Canny edge map."""
+    if picture is None:
+        return None
+    return pipe.canny_image(picture) if canny else picture

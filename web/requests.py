@@ -1,0 +1,208 @@
+"""Raw values, from the page or a JSON body, turned into an `engine.GenerationRequest`.
+
+Every door (the Gradio page, REST APIs) hands its raw values to `parse_request`; a value that cannot be read
+raises `engine.InvalidRequest` with a message for the user, and the engine's own `Limits` then check the
+ranges with theirs. Each door maps `InvalidRequest` to its own way of refusing (the page: `gr.Error`). No
+Gradio here.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+from PIL import Image
+
+import engine
+
+# The page's mode labels -> the engine's modes; an API sends the same labels.
+MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
+# The ControlNet's and the LoRAs' inputs, in the order the page lists them after the form.
+ADAPTER_INPUTS = ("control_image", "canny_edges", "controlnet_conditioning_scale", "lora_scales")
+
+
+def _refuse(message: str) -> engine.InvalidRequest:
+    return engine.InvalidRequest(message)
+
+
+def as_int(value: Any, what: str) -> int:
+    try:
+        number = float(str(value).strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise _refuse(f"{what} must be a whole number, not {value!r}.") from None
+    if not math.isfinite(number) or number != int(number):
+        raise _refuse(f"{what} must be a whole number, not {value!r}.")
+    return int(number)
+
+
+def as_float(value: Any, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise _refuse(f"{what} must be a number, not {value!r}.") from None
+
+
+def as_text(value: Any, what: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _refuse(f"{what} must be text.")
+    return value.strip()
+
+
+def as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    return bool(value)
+
+
+def size_choices(pipe: engine.EngineFace) -> list[str] | None:
+    """The sizes the server offers, as "WxH" labels; None when any size in range is served."""
+    sizes = pipe.limits.sizes
+    return None if sizes is None else [f"{w}x{h}" for w, h in sizes]
+
+
+def as_size(pipe: engine.EngineFace, value: Any) -> tuple[int, int]:
+    text = str(value).strip().lower().replace("×", "x").split(" ")[0]
+    width, _, height = text.partition("x")
+    offered = size_choices(pipe)
+    try:
+        return int(width), int(height)
+    except ValueError:
+        choices = f"; choose one of {', '.join(offered)}" if offered else ""
+        raise _refuse(f"Size must be written WIDTHxHEIGHT, like 512x512, not {value!r}{choices}.") from None
+
+
+# ---- image-to-image and inpainting: the picture inputs ----------------------------------------
+
+
+def variant_of(pipe: engine.EngineFace) -> engine.Variant:
+    """What the model is; an engine that does not say is a text-to-image one."""
+    return getattr(pipe, "variant", None) or engine.VARIANTS[0]
+
+
+def mode_choices(pipe: engine.EngineFace) -> list[str]:
+    """The modes the model can run: an inpainting model only repaints (its variant needs a picture and a mask)."""
+    return ["Inpaint"] if variant_of(pipe).needs else list(MODES)
+
+
+def default_strength(pipe: engine.EngineFace, mode: Any) -> float:
+    """The model's own strength for a mode (inpainting and image to image differ)."""
+    return variant_of(pipe).default_strength("mask" if mode == "Inpaint" else None)
+
+
+def picture_fields(mode: Any, picture: Any, mask: Any, strength: Any) -> dict[str, Any]:
+    """The request's image, mask_image and strength from a mode, an image editor's value (or a picture) and an
+    optional mask; PIL pictures. Inpainting without a mask reads the editor's painted layers as the mask."""
+    kind = MODES.get(mode or "Text to image")
+    if kind is None:
+        raise _refuse(f"Mode must be one of {', '.join(MODES)}, not {mode!r}.")
+    if kind == "txt2img":
+        return {}
+    editor = picture if isinstance(picture, dict) else {"background": picture, "layers": []}
+    image = editor.get("background")
+    if image is None:
+        raise _refuse(f"{mode} needs a picture: upload one first.")
+    fields = {"image": image.convert("RGB"), "strength": as_float(strength, "Strength"), "width": None}
+    if kind == "inpaint":
+        if mask is None:  # the painted strokes: every layer's opaque pixels, at the picture's size
+            mask = Image.new("L", image.size, 0)
+            for layer in editor.get("layers") or []:
+                alpha = layer.convert("RGBA").getchannel("A").resize(image.size)
+                mask.paste(255, mask=alpha.point(lambda a: 255 if a > 0 else 0))
+            if mask.getbbox() is None:
+                raise _refuse("Inpaint needs a mask: paint over what to redraw, or upload a mask.")
+        fields["mask_image"] = mask
+    return fields
+
+
+# ---- ControlNet and LoRA ---------------------------------------------------------------------
+
+
+def as_picture(value: Any) -> Image.Image | None:
+    """An uploaded picture as a handler receives it (Gradio's file data, unprocessed: a dict with a local
+    `path`), or a PIL picture."""
+    if value is None or isinstance(value, Image.Image):
+        return value
+    path = value.get("path") if isinstance(value, dict) else None
+    if not path:
+        raise _refuse("The control picture must be an uploaded image.")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except OSError:
+        raise _refuse("The control picture could not be read as an image.") from None
+
+
+def adapter_fields(
+    pipe: engine.EngineFace,
+    control_image: Any = None,
+    canny_edges: Any = False,
+    controlnet_conditioning_scale: Any = 1.0,
+    lora_scales: Any = None,
+) -> dict[str, Any]:
+    """The request's ControlNet and LoRA fields; the Canny edge map, when asked for, is the engine's."""
+    picture = as_picture(control_image)
+    if picture is not None and as_bool(canny_edges):
+        picture = pipe.canny_image(picture)
+    fields = {"control_image": picture}
+    if controlnet_conditioning_scale is not None:
+        fields["controlnet_conditioning_scale"] = as_float(controlnet_conditioning_scale, "Conditioning scale")
+    if lora_scales:
+        if not isinstance(lora_scales, dict):
+            raise _refuse("LoRA weights must map each LoRA's name to its weight.")
+        fields["lora_scales"] = {name: as_float(w, f"LoRA {name} weight") for name, w in lora_scales.items()}
+    return fields
+
+
+# ---- the request ---------------------------------------------------------------------------
+
+
+def parse_request(
+    pipe: engine.EngineFace,
+    prompt: Any,
+    negative_prompt: Any,
+    seed: Any,
+    random_seed: Any,
+    steps: Any,
+    guidance_scale: Any,
+    scheduler: Any,
+    size: Any,
+    images_per_device: Any,
+    pictures: dict[str, Any] | None = None,
+    **adapters: Any,
+) -> engine.GenerationRequest:
+    """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
+
+    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size.
+    `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional.
+    Raises `engine.InvalidRequest` with a message for the user."""
+    prompt = as_text(prompt, "Prompt")
+    if not prompt:
+        raise _refuse("Type a prompt first.")
+    if as_bool(random_seed) or (isinstance(seed, str) and seed.strip().lower() in ("", "random")):
+        seed = secrets.randbelow(engine.SEED_LIMIT)
+    else:
+        seed = as_int(seed, "Seed")
+    per_device = as_int(images_per_device, "Images per device")
+    top = pipe.limits.max_images_per_device
+    if not 1 <= per_device <= top:
+        raise _refuse(f"Images per device must be from 1 to {top}; {per_device} is out of range.")
+    width, height = as_size(pipe, size)
+    pictures = dict(pictures or {})
+    if pictures.pop("width", 0) is None:
+        width = height = None
+    return engine.GenerationRequest(
+        prompt=prompt,
+        negative_prompt=as_text(negative_prompt, "Negative prompt") or None,  # an empty box: no negative prompt
+        seed=seed,
+        num_inference_steps=as_int(steps, "Steps"),
+        guidance_scale=as_float(guidance_scale, "Guidance scale"),
+        scheduler=scheduler,
+        width=width,
+        height=height,
+        num_images=per_device * len(pipe.devices),
+        **adapter_fields(pipe, **adapters),
+        **pictures,
+    )

@@ -1,0 +1,132 @@
+"""The one web app: a FastAPI app with the Gradio page mounted at "/" (`build_app`), and `serve` to run it.
+
+`python app.py` serves it with uvicorn; the cluster's ingress (cluster/ingress.py) hands the same app to
+Ray Serve. Gradio's `gr.mount_gradio_app` starts the page's queue with the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+
+import gradio as gr
+from fastapi import FastAPI
+from gradio.utils import get_space
+
+import engine
+
+from .page import THEME, create_demo
+
+log = logging.getLogger("jax-sd")
+
+AUTH_MESSAGE = "This jax-sd page is for invited users: log in with the name and password you were given."
+QUEUE_SIZE = 48  # requests waiting in the page's queue; more are refused at once
+SHUTDOWN_GRACE_S = 2  # on Ctrl-C or SIGTERM, open streams (pages, API clients) get this long, then are cut
+
+
+def _paths(given: list[str] | None, variable: str) -> list[str]:
+    # As Gradio's launch reads them: the list given, else a comma-separated environment variable.
+    if given:
+        return list(given)
+    return [item.strip() for item in os.environ.get(variable, "").split(",") if item.strip()]
+
+
+def build_app(
+    engine: engine.EngineFace,
+    *,
+    images_per_device: int = 1,
+    concurrency: int | None = None,
+    queue_size: int = QUEUE_SIZE,
+    auth: list[tuple[str, str]] | None = None,
+    mcp: bool = False,
+    allowed_paths: list[str] | None = None,
+    blocked_paths: list[str] | None = None,
+) -> FastAPI:
+    """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
+
+    `images_per_device`: the page's default; `concurrency`: requests the page hands the engine at once
+    (default: twice its slots); `queue_size`: requests waiting beyond those, more are refused at once;
+    `auth`: (user, password) pairs for the page and its API; `mcp`: also serve `/generate` as an MCP tool;
+    `allowed_paths` / `blocked_paths`: files the page may serve or never serve (default: Gradio's
+    GRADIO_ALLOWED_PATHS / GRADIO_BLOCKED_PATHS). The page's Blocks is `app.state.demo`."""
+    app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
+    demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency)
+    demo.queue(max_size=queue_size)
+    app.state.demo = demo
+
+    # Routers (REST APIs) go here, before the page: the page is mounted at "/", and a mount at "/" answers
+    # every path that no route before it took.
+
+    return gr.mount_gradio_app(
+        app,
+        demo,
+        path="/",
+        theme=THEME,
+        show_error=True,
+        auth=auth,
+        auth_message=AUTH_MESSAGE,
+        mcp_server=mcp,
+        allowed_paths=_paths(allowed_paths, "GRADIO_ALLOWED_PATHS"),
+        blocked_paths=_paths(blocked_paths, "GRADIO_BLOCKED_PATHS"),
+        pwa=get_space() is not None,  # as Gradio's launch: installable on a Space
+        # Rendered in the browser, as locally: Gradio's server-side rendering (GRADIO_SSR_MODE, which a Space may
+        # set) puts a Node server in front of the app, and a mounted app has no such front.
+        ssr_mode=False,
+    )
+
+
+def serve(app: FastAPI, *, server_name: str = "127.0.0.1", server_port: int = 7860, share: bool = False) -> None:
+    """Serves `app` with uvicorn until Ctrl-C or SIGTERM. `share`: also open a temporary public gradio.live
+    link to it (Gradio's tunnel; not on a Hugging Face Space, which is public already)."""
+    import uvicorn
+
+    if share:
+        if get_space() is not None:
+            log.warning("--share is not supported on Hugging Face Spaces; the Space's own address serves the page")
+        else:
+            demo = getattr(app.state, "demo", None)
+            if demo is not None:
+                demo.share = True  # the page's share template, and robots kept out
+            threading.Thread(target=_open_share_link, args=(server_name, server_port), daemon=True).start()
+    shown = "127.0.0.1" if server_name in ("0.0.0.0", "") else server_name
+    log.info("serving on http://%s:%d/", shown, server_port)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # As Gradio's own close: the pages' heartbeat streams end at once, so the server need not wait for them.
+            for route in app.routes:
+                stop = getattr(getattr(route, "app", None), "stop_event", None)
+                if stop is not None:
+                    stop.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=server_name,
+        port=server_port,
+        log_level="warning",  # as Gradio's own server: no line per request
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down and raises it again on the way out
+        log.info("stopped")
+
+
+def _open_share_link(host: str, port: int) -> None:
+    from gradio import networking
+
+    try:
+        url = networking.setup_tunnel(
+            local_host=host,
+            local_port=port,
+            share_token=secrets.token_urlsafe(32),
+            share_server_address=None,
+            share_server_tls_certificate=None,
+        )
+    except Exception as e:  # the page serves on locally
+        log.warning("could not create a share link: %s", e)
+        return
+    log.info("public link (up to a week): %s", url.replace("http://", "https://", 1))
