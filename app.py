@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO)
 
-    engine.pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
+    engine.pair_cores()  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
     engine.enable_compile_cache()
     started = time.perf_counter()
     pipe = engine.load_pipeline(

@@ -1,4 +1,4 @@
-"""Core pairs (engine/pairs.py): an engine that splits each image's work over two CPU devices draws what
+"""Core pairs (engine/sampling/pairs.py): an engine that splits each image's work over two CPU devices draws what
 diffusers draws, and what one device draws, for every kind of step the split takes.
 
 The split runs in a fresh interpreter with 4 CPU devices (two pairs); the reference pictures are drawn

@@ -69,7 +69,7 @@ class TrainConfig:
     log_every: int = 50
 
 
-# The generation defaults shipped beside the model (engine/loading.py reads jax_sd.json).
+# The generation defaults shipped beside the model (engine/families/loader.py reads jax_sd.json).
 GENERATION = {"num_inference_steps": 20, "guidance_scale": 5.0, "scheduler": "ddim"}
 EXAMPLE_PROMPTS = [
     "a red circle on a blue background",

@@ -101,10 +101,68 @@ def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = Fa
         raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from err
 
 
+def component_weight_files(folder: Path, variant: str | None, what: str) -> list[Path]:
+    """One model's `diffusion_pytorch_model*.safetensors` in `folder` (a ControlNet, a VAE), preferring `variant`."""
+    by_variant: dict[str | None, list[Path]] = {}
+    for file in sorted(folder.iterdir()):
+        match = _WEIGHT_NAME.match(file.name)
+        if match and match[1] == "diffusion_pytorch_model" and not file.name.endswith(".index.json"):
+            by_variant.setdefault(match["variant"], []).append(file)
+    files = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), None)
+    if not files:
+        raise SourceError(f"{folder}: no diffusion_pytorch_model*.safetensors {what} weights")
+    return files
+
+
+def _fetch_component(repo_id: str, variant: str | None, what: str, subfolder: str) -> Path:
+    """A Hub repository holding one model (config.json and its weights at the top, or in `subfolder/` of a
+    pipeline repository), downloaded; offline, whatever the local cache holds."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    hint = f"cannot fetch the {what} {repo_id!r} from the Hugging Face Hub and it is not in the local cache"
+    try:
+        files = huggingface_hub.list_repo_files(repo_id)
+    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
+        try:
+            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+        except Exception as cache_err:
+            raise SourceError(f"{hint} ({type(err).__name__}: {err})") from cache_err
+    inner = "config.json" not in files and f"{subfolder}/config.json" in files
+    prefix = f"{subfolder}/" if inner else ""
+    by_variant: dict[str | None, list[str]] = {}
+    for f in files:
+        # That folder's own files only: a name with a further "/" never matches.
+        match = _WEIGHT_NAME.match(f[len(prefix) :]) if f.startswith(prefix) else None
+        if match and match[1] == "diffusion_pytorch_model":
+            by_variant.setdefault(match["variant"], []).append(f)
+    chosen = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=[f"{prefix}config.json", *chosen]))
+    except (OSError, HfHubHTTPError) as err:
+        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+
+
+def component_folder(source: str | Path, what: str, subfolder: str, variant: str | None = None) -> Path:
+    """The folder of one diffusers model (a ControlNet, a VAE): a folder with config.json, a pipeline folder's
+    `subfolder/`, or a Hub id (the same two layouts), downloaded."""
+    if Path(source).expanduser().is_dir():
+        root = Path(source).expanduser()
+    elif isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        root = _fetch_component(source, variant, what, subfolder)
+    else:
+        raise SourceError(f"{what} source {str(source)!r} is neither a folder nor a Hub id like 'owner/name'")
+    if not (root / "config.json").is_file() and (root / subfolder / "config.json").is_file():
+        root = root / subfolder
+    if not (root / "config.json").is_file():
+        raise SourceError(f"{source}: no config.json, so this is not a diffusers-format {what} folder")
+    return root
+
+
 def resolve(source: str | Path | None = None, variant: str | None = None, safety_checker: bool = False) -> ModelFolder:
     """Finds (and, for a Hub id, downloads) a diffusers-format folder and reads its model_index.json.
 
-    `safety_checker`: a Hub download also fetches the safety checker's files (engine/safety.py).
+    `safety_checker`: a Hub download also fetches the safety checker's files (engine/loading/safety.py).
     """
     if source is None:
         root, name = DEFAULT_MODEL, "embedded default"

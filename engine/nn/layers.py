@@ -143,7 +143,7 @@ class Identity(nnx.Module):
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
     """Scaled dot-product attention over [batch, tokens, heads * head_dim] inputs.
 
-    The formulation is chosen per backend and shape (engine/attention.py): cuDNN on GPU, Pallas flash
+    The formulation is chosen per backend and shape (engine/nn/attention.py): cuDNN on GPU, Pallas flash
     attention on TPU for long sequences, query blocks on the CPU where the logits are large.
     """
     b, n, inner = q.shape

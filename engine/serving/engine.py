@@ -2,8 +2,8 @@
 
 Params are replicated over a `jax.sharding.Mesh` of every device (`P()`); image slots are sharded over
 its `data` axis (`P('data')`). A request becomes a `Job` (token ids, schedule, seeds) and goes to the
-`Batcher`, whose thread runs every request's images in shared batches (see engine/batcher.py);
-compiled programs live in `Programs`, a bounded cache (engine/programs.py).
+`Batcher`, whose thread runs every request's images in shared batches (see engine/serving/batcher.py);
+compiled programs live in `Programs`, a bounded cache (engine/serving/programs.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import pairs
 from ..sampling.images import canny_image
 from ..sampling.pipeline import Plan
-from ..sampling.preview import PreviewMap, fit_preview
+from ..sampling.preview import DecodedPreview, Previewer, PreviewMap, fit_preview
 from ..sampling.prompts import TokenizedPrompt
 from .batcher import Batcher, Job
 from .jobs import Jobs
@@ -65,18 +65,21 @@ class Engine:
         max_plans: int = 8,
         max_live_plans: int = 2,
         previews: bool = True,
+        preview_every_s: float = 0.3,
         safety=None,
         loras: dict[str, LoRAFactors] | None = None,
         core_pairs: bool | None = None,
     ):
         """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
         None for any size in range. `max_batch_size` is rounded up to a multiple of the device count.
-        `core_pairs`: run each image on two CPU devices (engine/pairs.py); None: where `pair_cores()` asked
+        `preview_every_s`: a request's live previews come at most this often.
+        `core_pairs`: run each image on two CPU devices (engine/sampling/pairs.py); None: where `pair_cores()` asked
         for them in this process."""
         self.model = model
         self.family = model.family  # the family record's name: engine.families.FAMILIES
         self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
+        self.vae_name = model.vae  # which VAE draws: "the model's own VAE", or the folder or Hub id given
         self.example_prompts = list(model.example_prompts)
         self.images_per_device = images_per_device
         self._devices = list(devices or jax.devices())
@@ -132,9 +135,13 @@ class Engine:
             model.graphdef, self.params, self._lanes, replicated, self.jobs.example, max_plans, checker=checker
         )
         # Fitted once, in the background beside the warm-up (one small VAE decode, compiled unless cached):
-        # a request's first preview may come a moment later, Ready never does.
+        # a request's first preview may come a moment later, Ready never does. A tiny autoencoder needs no
+        # fit: it decodes the previews itself, in each batch's decode program (engine/sampling/preview.py).
         self._preview: Future | None = None
-        if previews:
+        if previews and model.tiny_vae:
+            self._preview = Future()
+            self._preview.set_result(DecodedPreview())
+        elif previews:
             self._preview = future = Future()
             fit = (model.graphdef, self.params, model.latent_channels, model.family)
             # Not a daemon: the interpreter waits for it at exit, rather than tear JAX down under it (a crash).
@@ -150,6 +157,7 @@ class Engine:
             max_waiting=max_waiting,
             max_live_plans=max_live_plans,
             preview=self._fitted_preview,
+            preview_every_s=preview_every_s,
             params_for=lambda weights: self.loras.params(self.params, weights),
         )
         # The scheduler thread must not be mid-call into JAX while the interpreter shuts down.
@@ -179,13 +187,14 @@ class Engine:
         return self.warmup_state.done.is_set()
 
     @property
-    def preview(self) -> PreviewMap | None:
-        """The live previews' map, waited for if it is still being fitted; None with previews off (or if the
+    def preview(self) -> Previewer | None:
+        """What draws the live previews: the fitted latent-to-RGB map (waited for if it is still being fitted),
+        or `DecodedPreview` with a tiny autoencoder (the VAE's own pictures); None with previews off (or if the
         fit failed: the log says why)."""
         return None if self._preview is None else self._preview.result()
 
-    def _fitted_preview(self) -> PreviewMap | None:
-        """The preview map if it is ready, without waiting."""
+    def _fitted_preview(self) -> Previewer | None:
+        """What draws the previews if it is ready, without waiting."""
         done = self._preview is not None and self._preview.done()
         return self._preview.result() if done else None
 

@@ -38,7 +38,7 @@ class Jobs:
         self._blanks: dict[Plan, Job] = {}
 
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
-        """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/prompts.py),
+        """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/sampling/prompts.py),
         padded to one chunk count; refused when longer than `limits.max_chunks`."""
         prompt = tokenize_prompt(self.model.tokenizers, r.prompt)
         negative = tokenize_prompt(self.model.tokenizers, r.negative_prompt or "")

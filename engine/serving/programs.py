@@ -215,7 +215,7 @@ class Programs:
         start = time.perf_counter()
         # Tracing holds the GIL, XLA's compiler does not: trace the three programs here, one after the
         # other, then compile them at once, each on a thread of its own (mostly one core each).
-        with jax.set_mesh(every.mesh):  # the programs see the mesh's axes (a core pair: engine/pairs.py)
+        with jax.set_mesh(every.mesh):  # the programs see the mesh's axes (a core pair: engine/sampling/pairs.py)
             lowered_decode, decode_args = self._lower_decode(plan, width, slots.x, every)
             lowered = (
                 lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
