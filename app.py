@@ -83,6 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         help='log-in for the page and its API: "user:password", several comma-separated, or a file of such '
         "lines (env JAX_SD_AUTH)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("JAX_SD_API_KEY") or None,
+        help='keys for the REST APIs (A1111 /sdapi/v1, OpenAI /v1/images): "KEY", several comma-separated, or '
+        '"@FILE" with one per line (env JAX_SD_API_KEY). Alone it closes only the APIs, not the page',
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=web.DEFAULT_MAX_BODY_MB,
+        help="the REST APIs refuse request bodies over this many megabytes (413)",
+    )
     parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
     parser.add_argument(
         "--no-safety-checker",
@@ -94,6 +106,13 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("JAX_SD_CONTROLNET") or None,
         help="a diffusers-format ControlNet folder or Hub id for the model (env JAX_SD_CONTROLNET); the page "
         "then takes a control picture",
+    )
+    parser.add_argument(
+        "--vae",
+        default=os.environ.get("JAX_SD_VAE") or None,
+        help="a diffusers-format VAE folder or Hub id in place of the model's own (env JAX_SD_VAE): an AutoencoderKL "
+        "(stabilityai/sd-vae-ft-mse) or a tiny AutoencoderTiny (madebyollin/taesd, taesdxl), which decodes in a "
+        "fraction of the time and draws every preview as a real picture",
     )
     parser.add_argument(
         "--lora",
@@ -125,9 +144,12 @@ def main(argv: list[str] | None = None) -> None:
             assert all(len(pair) == 2 for pair in sizes)
         except (ValueError, AssertionError):
             parser.error('--sizes must be "common" or a list like "512x512,768x512"')
+    if args.max_body_mb <= 0:
+        parser.error("--max-body-mb must be above 0")
     try:
         auth = read_auth(args.auth)
-    except ValueError as e:
+        api_keys = web.read_api_keys(args.api_key)
+    except (ValueError, OSError) as e:
         parser.error(str(e))
     # Our own progress lines; other libraries only when something is wrong (no backend-probing chatter).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -143,11 +165,18 @@ def main(argv: list[str] | None = None) -> None:
         safety_checker=not args.no_safety_checker,
         controlnet=args.controlnet,
         loras=loras,
+        vae=args.vae,
     )
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))
     web_app = web.build_app(
-        pipe, images_per_device=args.images_per_device, queue_size=args.queue_size, auth=auth, mcp=args.mcp
+        pipe,
+        images_per_device=args.images_per_device,
+        queue_size=args.queue_size,
+        auth=auth,
+        mcp=args.mcp,
+        api_keys=api_keys,
+        max_body_mb=args.max_body_mb,
     )
     web.serve(web_app, server_name=args.host, server_port=args.port, share=args.share)
 

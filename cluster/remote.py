@@ -84,6 +84,7 @@ class RemoteEngine:
         self.family = d.family
         self.variant = d.variant
         self.controlnet = d.controlnet
+        self.vae_name = d.vae_name
         self.safety_mode = d.safety_mode
         self.core_pairs = d.core_pairs  # the replicas' devices are core pairs
         self.label = f"{d.label} · Ray Serve cluster"

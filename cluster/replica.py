@@ -48,6 +48,7 @@ class Description:
     pid: int
     variant: engine.Variant | None = None  # what the model is: the picture inputs it takes
     controlnet: str | None = None  # the ControlNet's source, when the replicas loaded one
+    vae_name: str = "the model's own VAE"  # which VAE the replicas draw with
     safety_mode: str = "none"  # "on", "off" or "none" (the model ships no safety checker)
     core_pairs: bool = False  # each device is a pair of XLA CPU devices
 
@@ -78,6 +79,7 @@ class EngineReplica:
             sizes=settings.engine_sizes(),
             chunk_steps=settings.chunk_steps,
             controlnet=settings.controlnet,
+            vae=settings.vae,
             loras=dict(settings.loras) or None,
         )
         n = settings.images_per_device * len(self.engine.devices)
@@ -118,6 +120,7 @@ class EngineReplica:
             pid=os.getpid(),
             variant=e.variant,
             controlnet=e.controlnet,
+            vae_name=e.vae_name,
             safety_mode=e.safety_mode,
             core_pairs=e.core_pairs,
         )

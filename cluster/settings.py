@@ -24,6 +24,7 @@ class ClusterSettings:
     concurrency: int = 64  # requests the page hands the replicas at once (Serve queues what they cannot take)
     retries: int = 1  # a request whose replica dies is drawn again on another replica this many times
     controlnet: str | None = None  # a ControlNet folder or Hub id on every replica host, as app.py's --controlnet
+    vae: str | None = None  # a VAE folder or Hub id in place of the model's own, as app.py's --vae
     loras: tuple[tuple[str, str], ...] = ()  # (name, path or Hub id) pairs, as app.py's --lora NAME=PATH
 
     @classmethod

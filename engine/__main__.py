@@ -41,6 +41,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--images", type=int, default=None, help="number of images (default: one per device)")
     gen.add_argument("--model", default=None, help="a diffusers folder or Hub id (default: the embedded model)")
     gen.add_argument(
+        "--vae",
+        default=None,
+        help="a VAE folder or Hub id in place of the model's own (madebyollin/taesd: a tiny one, fast on CPU)",
+    )
+    gen.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on GPU/TPU, f32 on CPU"
     )
     gen.add_argument("--image", type=Path, default=None, help="start from this picture (image to image)")
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, load_pipeline
     from .compat.pnginfo import GenerationParameters, save_png
+    from .errors import ConfigError
     from .sampling.pairs import pair_cores
 
     pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                         pictures[name] = picture.copy()
                 except OSError as err:
                     raise InvalidRequest(f"cannot read --{name.split('_')[0]} {path}: {err}") from None
-        pipe = load_pipeline(args.model, dtype=args.dtype, previews=False)  # files only: nothing to preview
+        # Files only: nothing to preview.
+        pipe = load_pipeline(args.model, dtype=args.dtype, vae=args.vae, previews=False)
         result = pipe.generate(
             args.prompt,
             negative_prompt=args.negative,
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             strength=args.strength,
             **pictures,
         )
-    except (InvalidRequest, SourceError, WeightsError) as err:
+    except (InvalidRequest, SourceError, WeightsError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

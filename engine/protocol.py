@@ -39,6 +39,7 @@ class EngineFace(Protocol):
     label: str | None  # "Stable Diffusion XL Turbo"; else `family`
     variant: Variant | None  # the picture inputs it takes; else text to image (engine.VARIANTS[0])
     controlnet: str | None  # the ControlNet's source, when one is loaded
+    vae_name: str  # which VAE draws: "the model's own VAE", or the folder or Hub id given (a tiny one decodes fast)
     safety_mode: str  # "on", "off" (--no-safety-checker) or "none" (the model ships none)
     core_pairs: bool  # each device is a pair of XLA CPU devices
     example_prompts: list[str]  # the model's own examples; else the page's general ones

@@ -45,6 +45,9 @@ class GenerationRequest:
     image: Image.Image | None = field(default=None, compare=False, repr=False)  # start from this picture
     mask_image: Image.Image | None = field(default=None, compare=False, repr=False)  # white: repaint (inpainting)
     strength: float | None = None  # with an image: how much of the schedule runs (1: all of it)
+    # The sampler's stochasticity, as diffusers' pipelines pass `eta` to `scheduler.step`: DDIM's eta (0: the
+    # deterministic DDIM, 1: DDPM-like), TCD's gamma; the other schedulers take none and ignore it.
+    eta: float = 0.0
 
     @property
     def guided(self) -> bool:
@@ -107,6 +110,7 @@ class Limits:
     control_scale_range: tuple[float, float] = (0.0, 2.0)
     loras: tuple[str, ...] = ()  # the names of the LoRAs the server loaded
     lora_scale_range: tuple[float, float] = (-2.0, 2.0)  # negative weights push away from a LoRA's style
+    eta_range: tuple[float, float] = (0.0, 1.0)
 
     @property
     def min_side(self) -> int:
@@ -177,6 +181,12 @@ class Limits:
         if not _whole(r.clip_skip) or not 0 <= r.clip_skip <= self.max_clip_skip:
             raise InvalidRequest(
                 f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
+            )
+        low, high = self.eta_range
+        if not _number(r.eta) or not math.isfinite(r.eta) or not low <= r.eta <= high:
+            raise InvalidRequest(
+                f"eta must be a number from {low:g} (deterministic) to {high:g} (fresh noise at every step), "
+                f"got {r.eta!r}"
             )
         self._check_adapters(r)
         self._check_images(r)

@@ -52,6 +52,44 @@ UNET_LAYOUTS = {
     ),
 }
 
+# Tiny twins of the published small distilled UNets (`PUBLISHED_DISTILLED_UNETS` in test_models.py): the same
+# block types, layers per block, mid block and attention style, with small channels.
+_FOUR = dict(
+    block_out_channels=(16, 16, 32, 32),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    layers_per_block=1,
+    cross_attention_dim=24,
+    attention_head_dim=2,
+    norm_num_groups=8,
+    sample_size=16,
+)
+_THREE = dict(
+    _FOUR,
+    block_out_channels=(16, 16, 32),
+    down_block_types=("CrossAttnDownBlock2D",) * 3,
+    up_block_types=("CrossAttnUpBlock2D",) * 3,
+    mid_block_type=None,
+)
+DISTILLED_UNET_LAYOUTS = {
+    # BK-SDM-Base (nota-ai/bk-sdm-base, -v2-base) and segmind/small-sd: one resnet (and transformer) per down
+    # block, two per up block, the mid block kept.
+    "bk-sdm-base": _FOUR,
+    # BK-SDM-Small (nota-ai/bk-sdm-small): the same without the mid block.
+    "bk-sdm-small": dict(_FOUR, mid_block_type=None),
+    # BK-SDM-Tiny (nota-ai/bk-sdm-tiny) and segmind/tiny-sd: also without the innermost, attention-free stage.
+    "bk-sdm-tiny": _THREE,
+    # SDXS-512-DreamShaper (IDKiro/sdxs-512-dreamshaper): BK-SDM-Tiny's depth with SDXL's placement of attention,
+    # none in the outermost stage.
+    "sdxs-512-dreamshaper": dict(
+        _THREE,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    ),
+    # SDXS-512-0.9 (IDKiro/sdxs-512-0.9): the tiny UNet of SD 2.1-base, linear projections and per-block heads.
+    "sdxs-512-0.9": dict(_THREE, use_linear_projection=True, attention_head_dim=(1, 2, 4), cross_attention_dim=32),
+}
+
 VAE_LAYOUT = dict(
     block_out_channels=(16, 32),
     down_block_types=("DownEncoderBlock2D",) * 2,

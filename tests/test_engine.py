@@ -81,6 +81,9 @@ def test_prompts_longer_than_the_chunk_limit_are_refused_with_the_budget(pipe):
         (dict(seed="abc"), "seed must be a whole number"),
         (dict(scheduler="lms"), "unknown scheduler 'lms'"),
         (dict(num_images=0), "number of images"),
+        (dict(eta=1.5), r"eta must be a number from 0 \(deterministic\) to 1"),
+        (dict(eta=float("nan")), "eta must be a number"),
+        (dict(eta=-0.1), "eta must be a number"),
         (dict(latents=np.zeros((1, 4, 3, 3), np.float32)), "latents must have shape"),
     ],
 )

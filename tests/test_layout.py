@@ -16,7 +16,7 @@ ENGINE = ROOT / "engine"
 # vocabulary every layer speaks; `compat` sits beside the engine and may import all of it.
 LAYERS = ("errors", "request", "nn", "models", "schedulers", "loading", "families", "sampling", "serving")
 FOLDERS = ("nn", "models", "schedulers", "loading", "families", "sampling", "serving", "compat")
-FAMILY_NAMES = ("sd", "sdxl")
+FAMILY_NAMES = ("sd", "sdxl", "sd-lcm")
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 250
 

@@ -11,6 +11,7 @@ from flax import nnx
 from reference import (
     CLIP_COMMON,
     CLIP_LAYOUTS,
+    DISTILLED_UNET_LAYOUTS,
     UNET_LAYOUTS,
     VAE_LAYOUT,
     nchw,
@@ -24,11 +25,12 @@ from transformers import CLIPTextModel as TorchCLIP
 from transformers import CLIPTextModelWithProjection as TorchCLIPProj
 
 from engine.errors import ConfigError, WeightsError
-from engine.loading.weights import convert, export, load_model, read_safetensors
+from engine.loading.weights import checkpoint_name, convert, export, load_model, read_safetensors, to_our_layout
 from engine.models.clip import CLIPTextModel
 from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig
 from engine.models.unet import UNet2DConditionModel
 from engine.models.vae import AutoencoderKL
+from engine.nn.layers import shapes_only
 
 TOL = 1e-4
 
@@ -37,11 +39,14 @@ def ours_from_torch(make, torch_model):
     return load_model(make, state_dict_numpy(torch_model))
 
 
-@pytest.mark.parametrize("layout", sorted(UNET_LAYOUTS))
+ALL_UNET_LAYOUTS = {**UNET_LAYOUTS, **DISTILLED_UNET_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", sorted(ALL_UNET_LAYOUTS))
 @pytest.mark.parametrize("size", [(16, 24), (9, 14)])  # the second is no multiple of 2**depth
 @pytest.mark.parametrize("text", ["hidden states", "projected"])  # projected: as the server's steps pass it
 def test_unet_matches_diffusers(layout, size, text):
-    ref = randomize(TorchUNet(**UNET_LAYOUTS[layout]))
+    ref = randomize(TorchUNet(**ALL_UNET_LAYOUTS[layout]))
     cfg = UNetConfig.from_dict(dict(ref.config))
     ours = ours_from_torch(lambda: UNet2DConditionModel(cfg, nnx.Rngs(0)), ref)
     rng = np.random.default_rng(0)
@@ -61,6 +66,109 @@ def test_unet_matches_diffusers(layout, size, text):
         context = ours.project_context(context)
     got = ours(sample, t, context, **extra)
     assert rel_error(got, nhwc(want)) < TOL
+
+
+SD15_UNET = dict(  # stable-diffusion-v1-5's unet/config.json, the keys the distillations keep or change
+    act_fn="silu",
+    attention_head_dim=8,
+    block_out_channels=[320, 640, 1280, 1280],
+    center_input_sample=False,
+    class_embed_type=None,
+    class_embeddings_concat=False,
+    conv_in_kernel=3,
+    conv_out_kernel=3,
+    cross_attention_dim=768,
+    cross_attention_norm=None,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    downsample_padding=1,
+    dual_cross_attention=False,
+    encoder_hid_dim=None,
+    flip_sin_to_cos=True,
+    freq_shift=0,
+    in_channels=4,
+    layers_per_block=2,
+    mid_block_only_cross_attention=None,
+    mid_block_scale_factor=1,
+    mid_block_type="UNetMidBlock2DCrossAttn",
+    norm_eps=1e-05,
+    norm_num_groups=32,
+    num_class_embeds=None,
+    only_cross_attention=False,
+    out_channels=4,
+    projection_class_embeddings_input_dim=None,
+    resnet_out_scale_factor=1.0,
+    resnet_skip_time_act=False,
+    resnet_time_scale_shift="default",
+    sample_size=64,
+    time_cond_proj_dim=None,
+    time_embedding_act_fn=None,
+    time_embedding_type="positional",
+    timestep_post_act=None,
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    upcast_attention=False,
+    use_linear_projection=False,
+)
+THREE_STAGES = dict(block_out_channels=[320, 640, 1280], mid_block_type=None, layers_per_block=1)
+# The published unet/config.json of each small distilled UNet, full size. BK-SDM's are its repository's
+# (Nota-NetsPresso/BK-SDM src/unet_config/bk_*/config.json, the Hub folders' own); segmind's small-sd and tiny-sd
+# remove the same blocks as BK-SDM-Base and -Tiny (segmind/distill-sd `prepare_unet`); SDXS's are written from
+# their architecture (stable-diffusion.cpp's `VERSION_SDXS_512_DS` and `VERSION_SDXS_09`), not read from the Hub.
+PUBLISHED_DISTILLED_UNETS = {
+    "nota-ai/bk-sdm-base, segmind/small-sd": dict(SD15_UNET, layers_per_block=1),
+    "nota-ai/bk-sdm-small": dict(SD15_UNET, layers_per_block=1, mid_block_type=None),
+    "nota-ai/bk-sdm-tiny, segmind/tiny-sd": dict(
+        SD15_UNET,
+        **THREE_STAGES,
+        down_block_types=["CrossAttnDownBlock2D"] * 3,
+        up_block_types=["CrossAttnUpBlock2D"] * 3,
+    ),
+    "IDKiro/sdxs-512-dreamshaper": dict(
+        SD15_UNET,
+        **THREE_STAGES,
+        down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    ),
+    "IDKiro/sdxs-512-0.9": dict(
+        SD15_UNET,
+        **THREE_STAGES,
+        down_block_types=["CrossAttnDownBlock2D"] * 3,
+        up_block_types=["CrossAttnUpBlock2D"] * 3,
+        attention_head_dim=[1, 10, 20],
+        cross_attention_dim=1024,
+        use_linear_projection=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_DISTILLED_UNETS))
+def test_published_distilled_unet_configs_give_diffusers_tensors(name):
+    """Full size, without a weight in memory: every tensor diffusers' UNet of that config has, by name and shape,
+    is one our UNet built from the same config.json expects (the check `convert` makes when it loads a folder)."""
+    raw = {"_class_name": "UNet2DConditionModel", "_diffusers_version": "0.15.0", **PUBLISHED_DISTILLED_UNETS[name]}
+    cfg = UNetConfig.from_dict(raw, where=name)
+    with torch.device("meta"):
+        theirs = {k: tuple(v.shape) for k, v in TorchUNet(**cfg_kwargs(raw)).state_dict().items()}
+    with shapes_only():
+        abstract = nnx.state(UNet2DConditionModel(cfg, nnx.Rngs(0)), nnx.Param)
+    ours = {
+        checkpoint_name(path): (str(path[-1]), tuple(var.get_value().shape))
+        for path, var in nnx.to_flat_state(abstract)
+    }
+    assert set(ours) == set(theirs)
+    misfits = [key for key, (leaf, shape) in ours.items() if not fits(leaf, theirs[key], shape)]
+    assert not misfits, misfits
+
+
+def cfg_kwargs(raw: dict) -> dict:
+    return {k: v for k, v in raw.items() if not k.startswith("_")}
+
+
+def fits(leaf: str, their_shape: tuple, our_shape: tuple) -> bool:
+    """Their tensor of that shape, put in our layout (a view of nothing: no memory), has our shape."""
+    try:
+        return to_our_layout(leaf, np.broadcast_to(np.float32(0), their_shape), our_shape).shape == our_shape
+    except ValueError:  # another rank
+        return False
 
 
 def test_vae_matches_diffusers():

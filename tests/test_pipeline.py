@@ -40,6 +40,9 @@ TOLERANCE = 1e-2
 # SD 1.x with every scheduler, guidance off and on; the other layouts with the schedulers they ship with.
 CASES = [("sd1", scheduler, guidance) for scheduler in sorted(TORCH_SCHEDULERS) for guidance in (1.0, 6.0)]
 CASES += [("sd2v", "ddim", 6.0), ("sd2v", "euler_a", 6.0), ("turbo", "euler", 0.0), ("turbo", "euler_a", 0.0)]
+# A small distilled model as published: SDXS-512's tiny UNet and its own tiny autoencoder, one step, no guidance.
+CASES += [("sdxs", "euler", 0.0), ("sdxs", "dpm++2m", 6.0)]
+STEPS = {"turbo": 2, "sdxs": 1}
 _PAIRS: dict = {}
 
 
@@ -85,7 +88,7 @@ def run_reference(reference, scheduler, guidance, latents, seeds, steps, prompt,
 @pytest.mark.parametrize("variant, scheduler, guidance", CASES)
 def test_images_match_diffusers(variant, scheduler, guidance, tmp_path_factory):
     reference, ours = load_pair(variant, tmp_path_factory)
-    steps = 2 if variant == "turbo" else 4
+    steps = STEPS.get(variant, 4)
     latents = np.random.default_rng(0).standard_normal((2, 4, SIZE // 8, SIZE // 8)).astype(np.float32)
     prompt, negative = "a red circle on a blue background", "blurry photo"
     want = run_reference(reference, scheduler, guidance, latents, [7, 8], steps, prompt, negative)
@@ -121,3 +124,37 @@ def test_empty_prompt_generates_unconditionally(tmp_path_factory):
         latents=latents,
     )
     assert np.abs(got.arrays - want).max() < TOLERANCE
+
+
+def test_ddim_eta_matches_diffusers_and_never_compiles(tmp_path_factory):
+    """`eta` as diffusers' pipelines pass it to DDIMScheduler.step, its `variance_noise` being the noise our engine
+    draws at the same step; a new eta changes table values, not the program."""
+    reference, ours = load_pair("sd1", tmp_path_factory)
+    reference.scheduler = DDIMScheduler.from_config(reference.saved_scheduler_config)
+    latents = np.random.default_rng(2).standard_normal((2, 4, SIZE // 8, SIZE // 8)).astype(np.float32)
+    prompt, negative, steps = "a red circle on a blue background", "blurry photo", 4
+    args = dict(num_inference_steps=steps, guidance_scale=6.0, height=SIZE, width=SIZE)
+    pictures, errors, compiled = {}, {}, None
+    for eta in (0.0, 0.5, 1.0):
+        noise = ancestral_noise([7, 8], steps, (SIZE // 8, SIZE // 8, 4))
+        target = "diffusers.schedulers.scheduling_ddim.randn_tensor"
+        with mock.patch(target, side_effect=noise), torch.no_grad():
+            want = reference(
+                prompt,
+                negative_prompt=negative,
+                eta=eta,
+                latents=torch.from_numpy(latents),
+                num_images_per_prompt=2,
+                output_type="np",
+                **args,
+            ).images
+        got = ours.generate(
+            prompt, negative_prompt=negative, seed=7, num_images=2, scheduler="ddim", latents=latents, eta=eta, **args
+        )
+        errors[eta] = float(np.abs(got.arrays - want).max())
+        compiled = ours.compile_count if compiled is None else compiled
+        pictures[eta] = got.arrays
+    assert max(errors.values()) < TOLERANCE, errors
+    assert ours.compile_count == compiled
+    assert np.abs(pictures[1.0] - pictures[0.0]).max() > 0.01  # eta did reach the steps
+    print("DDIM eta max abs errors:", errors)

@@ -354,3 +354,16 @@ def test_recipe_of_an_image_to_image_request():
         "Model: tiny, Denoising strength: 0.6, Clip skip: 2"
     )
     assert GenerationParameters.from_request(dataclasses.replace(request, image=None), 3, "tiny").strength is None
+
+
+def test_eta_is_written_when_not_zero_and_read_back_as_a1111_names_it():
+    ddim = dataclasses.replace(FULL, scheduler="ddim", eta=0.3)
+    text = format_parameters(ddim)
+    assert "Eta DDIM: 0.3" in text and "Eta:" not in text  # A1111's DDIM field
+    assert parse_parameters(text) == ddim
+    tcd = dataclasses.replace(FULL, scheduler="tcd", eta=0.5)
+    assert "Eta: 0.5" in format_parameters(tcd) and parse_parameters(format_parameters(tcd)) == tcd
+    assert "Eta" not in format_parameters(FULL)  # 0, the default, is not written
+    request = GenerationRequest("a cat", num_inference_steps=4, scheduler="ddim", eta=0.3)
+    assert GenerationParameters.from_request(request, 0, "tiny").request_fields()["eta"] == 0.3
+    assert parse_parameters("a cat\nSteps: 20, Sampler: DDIM, Seed: 1, Eta DDIM: oops").extra == {"Eta DDIM": "oops"}

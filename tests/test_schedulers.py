@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
+from diffusers.schedulers import scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 
 from engine import schedulers as S
 from engine.errors import ConfigError
@@ -101,7 +101,7 @@ def same_draws(monkeypatch) -> list[int]:
         draws.append(len(draws))
         return torch.from_numpy(NOISE[len(draws) - 1])
 
-    for module in (scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd):
+    for module in (scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd):
         monkeypatch.setattr(module, "randn_tensor", randn_tensor)
     return draws
 
@@ -397,19 +397,47 @@ def test_lcm_strength_that_leaves_too_few_grid_points_is_refused():
         S.tables(S.SchedulerConfig.from_dict({**LCM_FOLDER, "original_inference_steps": 8}), "lcm", 10, MAX_STEPS)
 
 
+# Not zero-SNR at eta = 1: its first step's sqrt(1 - a' - s^2) is the root of a rounding error (s^2 = 1 - a' there),
+# which one ulp of s turns from 0 into 2e-4 on either side.
+DDIM_ETA_CASES = [("sd15", 0.3), ("sd15", 1.0), ("karras_cosine", 1.0), ("zero_snr_v", 0.3)]
+
+
+@pytest.mark.parametrize("n", [1, 4, 10])
+@pytest.mark.parametrize(("config_name", "eta"), DDIM_ETA_CASES)
+def test_ddim_eta_matches_diffusers_with_the_same_noise(config_name, eta, n, tmp_path, monkeypatch):
+    # DDIM's stochastic step (eq. 16: sigma_t(eta)) with diffusers' `variance_noise` drawn from NOISE, as ours is
+    # handed NOISE[i]: each step from the same sample, model output and noise, then the whole loop.
+    draws = same_draws(monkeypatch)
+    reference = reference_scheduler(CONFIGS[config_name], "ddim", tmp_path)
+    reference.set_timesteps(n)
+    tables = S.tables(S.SchedulerConfig.from_dict(CONFIGS[config_name]), "ddim", n, MAX_STEPS, eta=eta)
+    x = torch.from_numpy(LATENTS)
+    state = S.init_state("ddim", jnp.asarray(LATENTS))
+    for i, t in enumerate(reference.timesteps):
+        model_output = torch_model(x, t)
+        out = reference.step(model_output, t, x, eta=eta).prev_sample
+        got, state = one_step("ddim", tables, state, jnp.int32(i), model_output.numpy(), x.numpy(), NOISE[i])
+        assert_close(got, out.numpy())
+        x = out
+    assert len(draws) == n
+    if n > 1:  # one step lands past t = 0, where the variance is 0 with set_alpha_to_one
+        assert np.abs(x.numpy() - reference_loop(reference, n, monkeypatch)[1]).max() > 1e-3  # eta changed it
+    assert_close(denoise("ddim", tables, LATENTS, NOISE), x.numpy())
+
+
 def test_a_new_eta_is_new_table_values_not_a_new_program():
-    fn = jax.jit(lambda tables, latents, noise: _denoise("tcd", tables, latents, noise))
-    config = S.SchedulerConfig.from_dict(LCM_FOLDER)
-    for eta in (0.0, 0.3, 1.0):
-        fn(S.tables(config, "tcd", 4, MAX_STEPS, eta=eta), LATENTS, NOISE).block_until_ready()
-    assert fn._cache_size() == 1
-    with pytest.raises(ValueError, match="eta"):
-        S.tables(config, "tcd", 4, MAX_STEPS, eta=1.5)
+    for kind, config in (("tcd", S.SchedulerConfig.from_dict(LCM_FOLDER)), ("ddim", S.SchedulerConfig())):
+        fn = jax.jit(lambda tables, latents, noise, kind=kind: _denoise(kind, tables, latents, noise))
+        for eta in (0.0, 0.3, 1.0):
+            fn(S.tables(config, kind, 4, MAX_STEPS, eta=eta), LATENTS, NOISE).block_until_ready()
+        assert fn._cache_size() == 1
+        with pytest.raises(ValueError, match="eta"):
+            S.tables(config, kind, 4, MAX_STEPS, eta=1.5)
 
 
 def test_the_registry_names_one_module_per_algorithm():
     assert S.SCHEDULERS == tuple(S.ALGORITHMS)
-    assert [kind for kind in S.SCHEDULERS if S.stochastic(kind)] == ["euler_a", "lcm", "tcd"]
+    assert [kind for kind in S.SCHEDULERS if S.stochastic(kind)] == ["ddim", "euler_a", "lcm", "tcd"]
     interface = "CLASS_NAME DEFAULTS PREDICTIONS ONLY FORCED STOCHASTIC alphas_cumprod schedule init_state".split()
     for kind in S.SCHEDULERS:
         module = S.get(kind)

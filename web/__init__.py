@@ -5,13 +5,17 @@ the parsing of raw page or JSON values into an `engine.GenerationRequest` (reque
 door; it raises `engine.InvalidRequest`, which each door turns into its own refusal), the engine face the
 web layer reads (`engine.EngineFace`, which `engine.Engine` and `cluster.RemoteEngine` both have), and
 the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, REST routers go before it;
-`serve` runs it with uvicorn). Code here imports the engine only through its public face, `import engine` /
+`serve` runs it with uvicorn), and the REST APIs beside the page: AUTOMATIC1111's (a1111.py, its wire models
+in a1111_models.py) and OpenAI's Images API (openai_images.py), their foreign names mapped to ours in one place
+(names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
+body limits, error shapes). Code here imports the engine only through its public face, `import engine` /
 `from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures
 carry. Never the engine's internals, and never Ray: `python app.py` and the cluster's ingress serve the
 same `build_app`.
 """
 
+from .api_gate import DEFAULT_MAX_BODY_MB, read_api_keys
 from .page import API_NAME, THEME, create_demo
 from .server import build_app, serve
 
-__all__ = ["API_NAME", "THEME", "build_app", "create_demo", "serve"]
+__all__ = ["API_NAME", "DEFAULT_MAX_BODY_MB", "THEME", "build_app", "create_demo", "read_api_keys", "serve"]

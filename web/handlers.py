@@ -51,6 +51,9 @@ def model_summary(pipe: engine.EngineFace) -> str:
         "none": "this model ships no safety checker: pictures are not filtered",
     }[getattr(pipe, "safety_mode", "none")]
     adapters = ""
+    vae = getattr(pipe, "vae_name", None)
+    if vae and vae != "the model's own VAE":
+        adapters += f" · VAE `{vae}`"
     if getattr(pipe, "controlnet", None):
         adapters += f" · ControlNet `{pipe.controlnet}`"
     if getattr(pipe.limits, "loras", ()):

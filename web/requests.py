@@ -206,3 +206,48 @@ def parse_request(
         **adapter_fields(pipe, **adapters),
         **pictures,
     )
+
+
+# ---- the APIs' requests ----------------------------------------------------------------------
+
+
+def _optional_int(value: Any, what: str) -> int | None:
+    return None if value is None or value == "" else as_int(value, what)
+
+
+def api_request(
+    prompt: Any,
+    *,
+    negative_prompt: Any = None,
+    seed: Any = None,
+    steps: Any = None,
+    guidance_scale: Any = None,
+    scheduler: str | None = None,
+    width: Any = None,
+    height: Any = None,
+    num_images: Any = 1,
+    clip_skip: int = 0,
+    lora_scales: dict[str, float] | None = None,
+    image: Image.Image | None = None,
+    mask_image: Image.Image | None = None,
+    strength: Any = None,
+) -> engine.GenerationRequest:
+    """A REST API's values, already under our names, as a request; None takes the model's default (an image
+    brings its own size). A seed of None or -1 is drawn at random. The engine checks every range."""
+    seed = _optional_int(seed, "seed")
+    return engine.GenerationRequest(
+        prompt=as_text(prompt, "prompt") or "",
+        negative_prompt=as_text(negative_prompt, "negative_prompt") or None,
+        seed=secrets.randbelow(engine.SEED_LIMIT) if seed is None or seed == -1 else seed,
+        num_inference_steps=_optional_int(steps, "steps"),
+        guidance_scale=None if guidance_scale is None else as_float(guidance_scale, "guidance scale"),
+        scheduler=scheduler,
+        width=_optional_int(width, "width"),
+        height=_optional_int(height, "height"),
+        num_images=as_int(num_images, "number of images"),
+        clip_skip=clip_skip,
+        lora_scales=lora_scales or None,
+        image=image,
+        mask_image=mask_image,
+        strength=None if strength is None else as_float(strength, "strength"),
+    )

@@ -17,6 +17,10 @@ from gradio.utils import get_space
 
 import engine
 
+from .a1111 import a1111_router
+from .api_common import ApiJobs
+from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_handlers
+from .openai_images import openai_router
 from .page import THEME, create_demo
 
 log = logging.getLogger("jax-sd")
@@ -43,6 +47,8 @@ def build_app(
     mcp: bool = False,
     allowed_paths: list[str] | None = None,
     blocked_paths: list[str] | None = None,
+    api_keys: list[str] | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -50,7 +56,12 @@ def build_app(
     (default: twice its slots); `queue_size`: requests waiting beyond those, more are refused at once;
     `auth`: (user, password) pairs for the page and its API; `mcp`: also serve `/generate` as an MCP tool;
     `allowed_paths` / `blocked_paths`: files the page may serve or never serve (default: Gradio's
-    GRADIO_ALLOWED_PATHS / GRADIO_BLOCKED_PATHS). The page's Blocks is `app.state.demo`."""
+    GRADIO_ALLOWED_PATHS / GRADIO_BLOCKED_PATHS). The page's Blocks is `app.state.demo`.
+
+    Beside the page, on the same port: AUTOMATIC1111's API at /sdapi/v1/ (a1111.py) and OpenAI's Images API at
+    /v1/images/ (openai_images.py). `auth` and `api_keys` close them (api_gate.py: HTTP Basic as an `auth`
+    user, or Bearer with an API key); `api_keys` alone closes only them, not the page. `max_body_mb`: their
+    request bodies are refused (413) beyond it."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
     demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency)
     demo.queue(max_size=queue_size)
@@ -58,6 +69,13 @@ def build_app(
 
     # Routers (REST APIs) go here, before the page: the page is mounted at "/", and a mount at "/" answers
     # every path that no route before it took.
+    jobs = ApiJobs()  # the APIs' running requests, for A1111's /progress and /interrupt
+    app.state.api_jobs = jobs
+    app.include_router(a1111_router(engine, jobs))
+    app.include_router(openai_router(engine, jobs))
+    install_error_handlers(app)
+    access = ApiAccess(users=tuple(auth or ()), keys=tuple(api_keys or ()))
+    app.add_middleware(ApiGate, access=access, max_body_bytes=int(max_body_mb * 2**20))
 
     return gr.mount_gradio_app(
         app,

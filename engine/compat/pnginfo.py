@@ -55,6 +55,10 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
 # The keys this dataclass owns; everything else stays in `extra`, in the order it came.
 _OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Denoising strength", "Clip skip")
+_OWN += ("Eta", "Eta DDIM")
+# A1111 writes a sampler's eta only when it is not the sampler's default (0 for ours, as diffusers' pipelines):
+# "Eta DDIM" for DDIM (its `eta_infotext_field`), "Eta" for the others.
+_ETA_KEYS = {"ddim": "Eta DDIM"}
 # A1111's order for the keys that lead its line; the others follow in the order they came.
 _ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model")
 
@@ -85,6 +89,7 @@ class GenerationParameters:
     model: str | None = None  # "Model": the model's name, not a path to it
     clip_skip: int = 0  # layers skipped, as `GenerationRequest.clip_skip`; A1111 writes "Clip skip: 2" for 1
     strength: float | None = None  # "Denoising strength": image-to-image and inpainting only, as A1111 writes it
+    eta: float = 0.0  # "Eta DDIM" (DDIM) or "Eta": the sampler's stochasticity, written when not 0
     # Every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us, ...).
     extra: dict[str, str] = field(default_factory=dict, hash=False)
 
@@ -109,6 +114,7 @@ class GenerationParameters:
             clip_skip=request.clip_skip,
             extra=_adapter_entries(request),
             strength=request.strength if request.image is not None else None,
+            eta=float(request.eta),
         )
 
     def request_fields(self) -> dict[str, Any]:
@@ -124,6 +130,7 @@ class GenerationParameters:
             scheduler=self.scheduler,
             clip_skip=self.clip_skip,
             strength=self.strength,
+            eta=self.eta,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -174,6 +181,8 @@ def format_parameters(params: GenerationParameters) -> str:
         own["Denoising strength"] = _number(params.strength)
     if params.clip_skip:
         own["Clip skip"] = str(params.clip_skip + 1)
+    if params.eta:
+        own[_ETA_KEYS.get(params.scheduler, "Eta")] = _number(params.eta)
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
     ordered = [key for key in _ORDER if key in pairs] + [key for key in pairs if key not in _ORDER]
     line = ", ".join(f"{key}: {quote(pairs[key])}" for key in ordered)
@@ -238,6 +247,7 @@ def parse_parameters(text: str) -> GenerationParameters:
     if size := _SIZE.match(pairs.get("Size", "")):
         width, height = int(size.group(1)), int(size.group(2))
     clip_skip = _whole(pairs.get("Clip skip"))
+    eta = _real(pairs.get("Eta DDIM", pairs.get("Eta")))
     values = dict(
         num_inference_steps=_whole(pairs.get("Steps")),
         scheduler=kind,
@@ -247,6 +257,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         model=pairs.get("Model"),
         clip_skip=max(clip_skip - 1, 0) if clip_skip is not None else 0,
         strength=_real(pairs.get("Denoising strength")),
+        eta=eta or 0.0,
     )
     # A key whose value we could not take (an unknown sampler, a seed that is not a number) stays as text.
     taken = {
@@ -259,6 +270,8 @@ def parse_parameters(text: str) -> GenerationParameters:
         "Model": True,
         "Denoising strength": values["strength"] is not None,
         "Clip skip": clip_skip is not None,
+        "Eta": eta is not None and "Eta DDIM" not in pairs,
+        "Eta DDIM": eta is not None,
     }
     extra = {key: value for key, value in pairs.items() if key not in _OWN or not taken[key]}
     return GenerationParameters(

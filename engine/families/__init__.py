@@ -1,9 +1,10 @@
 """Model families as records: one module per family, one registry here.
 
-`sd.py` (Stable Diffusion 1.x/2.x) and `sdxl.py` (XL) each declare a `FAMILY` (`base.Family`: components and
-their classes, prompt encoding, the denoiser call, guidance style, latent format, defaults, layout checks)
-and its `VARIANTS` (tasks: text-to-image, inpainting). `loader.py` reads a diffusers folder into a
-`LoadedModel` by asking the folder's family. A new family is one new module and one line in `FAMILIES`.
+`sd.py` (Stable Diffusion 1.x/2.x), `sdxl.py` (XL) and `lcm.py` (SD's latent consistency distillations) each
+declare a `FAMILY` (`base.Family`: components and their classes, prompt encoding, the denoiser call, guidance
+style, latent format, defaults, layout checks) and its `VARIANTS` (tasks: text-to-image, inpainting).
+`loader.py` reads a diffusers folder into a `LoadedModel` by asking the folder's family. A new family is one new
+module and one line in `FAMILIES`.
 
 May import: `engine.errors`, `engine.models`, `engine.schedulers`, `engine.loading`. Imported by `sampling`,
 `serving` and `compat`; a family's name appears as a string nowhere outside this folder.
@@ -12,12 +13,12 @@ May import: `engine.errors`, `engine.models`, `engine.schedulers`, `engine.loadi
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import sd, sdxl
+from . import lcm, sd, sdxl
 from .base import Conditioning, Family, LatentFormat, Models, Variant
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY)}
 DEFAULT_FAMILY = sd.FAMILY.name  # what a `Plan` that names none samples with
-VARIANTS: tuple[Variant, ...] = (*sd.VARIANTS, *sdxl.VARIANTS)
+VARIANTS: tuple[Variant, ...] = (*sd.VARIANTS, *sdxl.VARIANTS, *lcm.VARIANTS)
 PIPELINE_FAMILIES: dict[str, str] = {name: v.family for v in VARIANTS for name in v.pipelines}
 # Each family's prompt encoder by name: what `Plan.family` selects inside the programs.
 ENCODERS = {name: family.encode for name, family in FAMILIES.items()}

@@ -41,9 +41,13 @@ class Conditioning:
     context: jax.Array | None  # [batch, tokens, cross_attention_dim]; None in Slots, which hold it projected
     text_embeds: jax.Array | None = None  # pooled text embedding [batch, d] (SDXL)
     time_ids: jax.Array | None = None  # [batch, 6] micro-conditioning (SDXL)
+    # [batch, time_cond_proj_dim]: the guidance scale's embedding, for a family guided by embedding (LCM)
+    timestep_cond: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(Conditioning, data_fields=["context", "text_embeds", "time_ids"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    Conditioning, data_fields=["context", "text_embeds", "time_ids", "timestep_cond"], meta_fields=[]
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,10 @@ class Family:
     latent: LatentFormat
     defaults: Mapping[str, Any]  # num_inference_steps, guidance_scale, scheduler (a folder's scheduler comes first)
     max_side: int  # pixels: twice the side the family was trained at
-    guidance: str = "batch"  # "batch": an unconditional second row per image; "embedding": the scale is an input
+    # "batch": classifier-free guidance as an unconditional second row per image (at scale > 1);
+    # "embedding": the denoiser reads the scale (`guidance_scale_embedding(scale - 1)` as its `timestep_cond`) and
+    # no unconditional row is ever computed (LCM). See `guided_by_embedding`.
+    guidance: str = "batch"
     # (configs by component, where) -> None, or ConfigError naming what disagrees
     check_layout: Callable[[Mapping[str, Any], str], None] = field(default=lambda configs, where: None, repr=False)
     # (model_index.json, vae_scale_factor) -> the folder's (plan, negative_prompt) -> per-image inputs besides
@@ -92,6 +99,12 @@ class Family:
     extra_inputs: Callable[[Mapping[str, Any], int], Callable[[Any, str | None], dict]] = field(
         default=lambda index, vae_scale_factor: no_extra_inputs, repr=False
     )
+
+    def guided_by_embedding(self, unet: Any) -> bool:
+        """Whether a model of this family with this UNet config reads the guidance scale as an embedding rather than
+        taking a second, unconditional row: a family guided by embedding, or a UNet with `time_cond_proj_dim`,
+        which diffusers' SD and SDXL pipelines also feed that way (`do_classifier_free_guidance` is off for it)."""
+        return self.guidance == "embedding" or getattr(unet, "time_cond_proj_dim", None) is not None
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from flax import nnx
 from ..errors import SourceError
 from ..loading.sources import ModelFolder, resolve
 from ..loading.tokenizer import Tokenizer
+from ..loading.vae import OWN_VAE
 from ..loading.weights import convert, read_safetensors, rename_legacy
-from ..models.config import UNetConfig, VAEConfig
+from ..models.config import AutoencoderTinyConfig, UNetConfig, VAEConfig
 from ..schedulers import SCHEDULERS, SchedulerConfig
-from . import PIPELINE_FAMILIES, family_of, find
+from . import FAMILIES, PIPELINE_FAMILIES, family_of, find
 from .base import Family, Models, Variant, no_extra_inputs
 
 # Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
@@ -41,7 +42,7 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype
     unet_config: UNetConfig
-    vae_config: VAEConfig
+    vae_config: VAEConfig | AutoencoderTinyConfig  # the folder's own, or the one given (`loading.vae.attach_vae`)
     scheduler_config: SchedulerConfig
     tokenizers: list[Tokenizer]  # one per text encoder
     defaults: dict[str, Any]
@@ -51,10 +52,24 @@ class LoadedModel:
     # The family's per-image inputs besides token ids, from the plan and the negative prompt (None: none at all).
     extra_inputs: Callable[[Any, str | None], dict] = no_extra_inputs
     controlnet: str | None = None  # the ControlNet's source, when one is attached (`controlnet.attach_controlnet`)
+    vae: str = OWN_VAE  # which VAE draws: the folder's own, or the source given (`loading.vae.attach_vae`)
 
     @property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae_config.block_out_channels) - 1)
+        return self.vae_config.vae_scale_factor
+
+    @property
+    def tiny_vae(self) -> bool:
+        """The VAE is a tiny autoencoder (TAESD): decoding costs little, so previews are decoded pictures."""
+        return isinstance(self.vae_config, AutoencoderTinyConfig)
+
+    @property
+    def unet_latent_channels(self) -> int:
+        """The channels of the latents the UNet draws: its input for text-to-image; an inpainting UNet reads the
+        mask and the picture's latents too, so the family's latent format says."""
+        if self.variant.task == "text-to-image":
+            return self.unet_config.in_channels
+        return FAMILIES[self.family].latent.channels
 
     @property
     def latent_channels(self) -> int:
@@ -79,7 +94,7 @@ def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
 def _defaults(
     folder: ModelFolder, variant: Variant, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
-    side = (unet.sample_size or 64) * 2 ** (len(vae.block_out_channels) - 1)
+    side = (unet.sample_size or 64) * vae.vae_scale_factor
     defaults = {"height": side, "width": side, **variant.defaults}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
@@ -124,7 +139,7 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
     defaults, examples = _defaults(folder, variant, unet_cfg, vae_cfg, sched_cfg)
-    vae_scale_factor = 2 ** (len(vae_cfg.block_out_channels) - 1)
+    vae_scale_factor = vae_cfg.vae_scale_factor
     return LoadedModel(
         name=folder.name,
         family=family.name,

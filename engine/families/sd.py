@@ -7,17 +7,39 @@ is a second, unconditional batch row per image.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
 
+from ..errors import ConfigError
+from ..loading.vae import VAE_CLASSES
 from ..models.clip import CLIPTextModel
-from ..models.config import CLIPTextConfig, UNetConfig, VAEConfig
+from ..models.config import AutoencoderTinyConfig, CLIPTextConfig, UNetConfig, VAEConfig
 from ..models.unet import UNet2DConditionModel
-from ..models.vae import AutoencoderKL
 from .base import Conditioning, Family, LatentFormat, Models, variants
+
+
+class AnyVAEConfig:
+    """A pipeline's vae/config.json read as the class it names (`loading.vae.VAE_CLASSES`): an `AutoencoderKL`, or
+    the `AutoencoderTiny` a distilled model may ship as its own (SDXS-512), which diffusers' pipelines take alike."""
+
+    @staticmethod
+    def from_json(path: str | Path) -> VAEConfig | AutoencoderTinyConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read {path}: {err}") from err
+        class_name = raw.get("_class_name", "AutoencoderKL") if isinstance(raw, dict) else None
+        if class_name not in VAE_CLASSES:
+            raise ConfigError(
+                f"{path}: a VAE of class {class_name!r} is not supported (one of {', '.join(VAE_CLASSES)})"
+            )
+        return VAE_CLASSES[class_name][0].from_dict(raw, where=str(path))
 
 
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:
@@ -34,8 +56,9 @@ def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: boo
 def denoise(
     models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: Conditioning, residuals: tuple
 ) -> jax.Array:
-    """The UNet's noise prediction; `kv` is the text projected for its cross-attentions (`project_context`)."""
-    return models.unet(x, timesteps, kv, cond.text_embeds, cond.time_ids, *residuals)
+    """The UNet's noise prediction; `kv` is the text projected for its cross-attentions (`project_context`); a
+    guidance-distilled UNet reads the guidance scale's embedding (`cond.timestep_cond`)."""
+    return models.unet(x, timesteps, kv, cond.text_embeds, cond.time_ids, *residuals, timestep_cond=cond.timestep_cond)
 
 
 def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
@@ -44,13 +67,14 @@ def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         name: CLIPTextModel(configs[name], rngs, with_projection=i == 1)
         for i, name in enumerate(n for n in configs if n.startswith("text_encoder"))
     }
-    return {**encoders, "unet": UNet2DConditionModel(configs["unet"], rngs), "vae": AutoencoderKL(configs["vae"], rngs)}
+    vae = {config: model for config, model in VAE_CLASSES.values()}[type(configs["vae"])]
+    return {**encoders, "unet": UNet2DConditionModel(configs["unet"], rngs), "vae": vae(configs["vae"], rngs)}
 
 
 FAMILY = Family(
     name="sd",
     pipelines=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
-    configs={"text_encoder": CLIPTextConfig, "unet": UNetConfig, "vae": VAEConfig},
+    configs={"text_encoder": CLIPTextConfig, "unet": UNetConfig, "vae": AnyVAEConfig},
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     encode=encode,

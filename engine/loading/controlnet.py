@@ -6,7 +6,6 @@ Strict like every load: a ControlNet made for another UNet layout is refused at 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from flax import nnx
 from ..errors import SourceError
 from ..models.config import UNetConfig
 from ..models.controlnet import ControlNetConfig, ControlNetModel
-from .sources import _WEIGHT_NAME
+from .sources import component_folder, component_weight_files
 from .weights import convert, read_safetensors
 
 
@@ -32,58 +31,13 @@ class LoadedControlNet:
         return nnx.merge(self.graphdef, jax.tree.map(jnp.asarray, self.params))
 
 
-def _weight_files(folder: Path, variant: str | None) -> list[Path]:
-    by_variant: dict[str | None, list[Path]] = {}
-    for file in sorted(folder.iterdir()):
-        match = _WEIGHT_NAME.match(file.name)
-        if match and match[1] == "diffusion_pytorch_model" and not file.name.endswith(".index.json"):
-            by_variant.setdefault(match["variant"], []).append(file)
-    files = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), None)
-    if not files:
-        raise SourceError(f"{folder}: no diffusion_pytorch_model*.safetensors ControlNet weights")
-    return files
-
-
-def _from_hub(repo_id: str, variant: str | None) -> Path:
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    hint = f"cannot fetch the ControlNet {repo_id!r} from the Hugging Face Hub and it is not in the local cache"
-    try:
-        files = huggingface_hub.list_repo_files(repo_id)
-    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
-        try:
-            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
-        except Exception as cache_err:
-            raise SourceError(f"{hint} ({type(err).__name__}: {err})") from cache_err
-    by_variant: dict[str | None, list[str]] = {}
-    for f in files:
-        match = _WEIGHT_NAME.match(f)  # top-level files only: a name with a "/" never matches
-        if match and match[1] == "diffusion_pytorch_model":
-            by_variant.setdefault(match["variant"], []).append(f)
-    chosen = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=["config.json", *chosen]))
-    except (OSError, HfHubHTTPError) as err:
-        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
-
-
 def load_controlnet(source: str | Path, dtype: str = "float32") -> LoadedControlNet:
     """A diffusers-format ControlNet folder (config.json + diffusion_pytorch_model*.safetensors), a pipeline
     folder's `controlnet/` sub-folder, or a Hub id; every tensor must fit (missing ones are named)."""
     variant = "fp16" if dtype in ("float16", "bfloat16") else None
-    if Path(source).expanduser().is_dir():
-        root = Path(source).expanduser()
-    elif isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
-        root = _from_hub(source, variant)
-    else:
-        raise SourceError(f"ControlNet source {str(source)!r} is neither a folder nor a Hub id like 'owner/name'")
-    if not (root / "config.json").is_file() and (root / "controlnet" / "config.json").is_file():
-        root = root / "controlnet"
-    if not (root / "config.json").is_file():
-        raise SourceError(f"{source}: no config.json, so this is not a diffusers-format ControlNet folder")
+    root = component_folder(source, "ControlNet", "controlnet", variant)
     cfg = ControlNetConfig.from_json(root / "config.json")
-    tensors = read_safetensors(_weight_files(root, variant))
+    tensors = read_safetensors(component_weight_files(root, variant, "ControlNet"))
     graphdef, params = convert(lambda: ControlNetModel(cfg, nnx.Rngs(0)), tensors, dtype, where=str(source))
     return LoadedControlNet(name=str(source), config=cfg, graphdef=graphdef, params=params)
 

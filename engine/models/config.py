@@ -113,7 +113,7 @@ class UNetConfig(_FromJson):
     time_embedding_dim: int | None = None
     time_embedding_act_fn: str | None = None
     timestep_post_act: str | None = None
-    time_cond_proj_dim: int | None = None
+    time_cond_proj_dim: int | None = None  # guidance-distilled UNets (LCM) read the guidance scale's embedding
     conv_in_kernel: int = 3
     conv_out_kernel: int = 3
     projection_class_embeddings_input_dim: int | None = None
@@ -145,7 +145,6 @@ class UNetConfig(_FromJson):
         unsupported = {
             "class_embed_type": None,
             "encoder_hid_dim_type": None,
-            "time_cond_proj_dim": None,
             "dual_cross_attention": False,
             "resnet_time_scale_shift": "default",
             "time_embedding_type": "positional",
@@ -205,6 +204,11 @@ class VAEConfig(_FromJson):
     use_quant_conv: bool = True
     use_post_quant_conv: bool = True
     mid_block_add_attention: bool = True
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent along a side: each encoder block but the last halves the sides (8 for SD's VAEs)."""
+        return 2 ** (len(self.block_out_channels) - 1)
 
     def validate(self, where: str) -> None:
         for kind in self.down_block_types:

@@ -3,7 +3,8 @@
 Input and output are NHWC latents; `encoder_hidden_states` is the text encoder's
 [batch, tokens, cross_attention_dim], or the same already projected to every cross-attention's keys and
 values (`project_context`), as a server holds it for the steps of a request. SDXL's `text_time` conditioning adds
-`add_embedding(concat(pooled_text, sinusoid(time_ids)))` to the time embedding.
+`add_embedding(concat(pooled_text, sinusoid(time_ids)))` to the time embedding; a guidance-distilled UNet
+(`time_cond_proj_dim`, LCM) adds its projection of the guidance scale's embedding (`timestep_cond`) to it.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class UNet2DConditionModel(nnx.Module):
         self.config = cfg
         ch0 = cfg.block_out_channels[0]
         self.conv_in = conv(cfg.in_channels, ch0, 3, rngs)
-        self.time_embedding = TimestepEmbedding(ch0, cfg.time_embed_dim, rngs)
+        self.time_embedding = TimestepEmbedding(ch0, cfg.time_embed_dim, rngs, cfg.time_cond_proj_dim)
         self.add_embedding = (
             TimestepEmbedding(cfg.projection_class_embeddings_input_dim, cfg.time_embed_dim, rngs)
             if cfg.addition_embed_type == "text_time"
@@ -202,17 +203,21 @@ class UNet2DConditionModel(nnx.Module):
         time_ids: jax.Array | None = None,
         down_block_additional_residuals: tuple[jax.Array, ...] | None = None,
         mid_block_additional_residual: jax.Array | None = None,
+        timestep_cond: jax.Array | None = None,
     ) -> jax.Array:
         """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels].
 
         The additional residuals are a ControlNet's (`engine.models.controlnet`): one per skip connection, added to
-        the skips, and one added to the mid block's output, as diffusers' UNet does.
+        the skips, and one added to the mid block's output, as diffusers' UNet does. `timestep_cond`
+        [batch, time_cond_proj_dim]: what a UNet with `time_cond_proj_dim` adds to its timestep embedding (LCM's
+        guidance scale embedding, `nn.layers.guidance_scale_embedding`); without it that input is skipped.
         """
         cfg = self.config
         dtype = self.conv_in.kernel.dtype
         timesteps = jnp.broadcast_to(timesteps, (sample.shape[0],))
         t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        temb = self.time_embedding(t_emb.astype(dtype))
+        cond = None if timestep_cond is None or self.time_embedding.cond_proj is None else timestep_cond.astype(dtype)
+        temb = self.time_embedding(t_emb.astype(dtype), cond)
         if self.add_embedding is not None:
             b = time_ids.shape[0]
             time_emb = timestep_embedding(

@@ -363,10 +363,29 @@ def timestep_embedding(
     return emb
 
 
+def guidance_scale_embedding(w: jax.Array, dim: int) -> jax.Array:
+    """diffusers' `get_guidance_scale_embedding` (VDM's): w [batch] -> [batch, dim] f32, the sines then the
+    cosines of 1000 w at frequencies 10000^(-k / (dim/2 - 1)), zero-padded to an odd dim. What a guidance-distilled
+    UNet (LCM) reads beside the timestep, with w = guidance_scale - 1."""
+    half = dim // 2
+    freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(jnp.log(jnp.float32(10000.0)) / (half - 1)))
+    args = (w.astype(jnp.float32) * 1000.0)[:, None] * freqs[None, :]
+    emb = jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
 class TimestepEmbedding(nnx.Module):
-    def __init__(self, in_ch: int, dim: int, rngs: nnx.Rngs):
+    """`linear_2(silu(linear_1(x)))`; with `cond_dim`, a condition (`timestep_cond`) projected without bias is
+    added to x first, as diffusers' `TimestepEmbedding(cond_proj_dim=)` does."""
+
+    def __init__(self, in_ch: int, dim: int, rngs: nnx.Rngs, cond_dim: int | None = None):
         self.linear_1 = linear(in_ch, dim, rngs)
         self.linear_2 = linear(dim, dim, rngs)
+        self.cond_proj = linear(cond_dim, in_ch, rngs, bias=False) if cond_dim else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, condition: jax.Array | None = None) -> jax.Array:
+        if condition is not None:
+            x = x + self.cond_proj(condition)
         return self.linear_2(jax.nn.silu(self.linear_1(x)))

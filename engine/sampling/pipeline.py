@@ -6,7 +6,8 @@ their noise into free slots, `advance` runs a chunk of denoising steps on every 
 its own schedule, `decode` turns latents into pictures. What differs by family (token ids -> conditioning,
 the denoiser's call) comes from the family's record, `engine.families.FAMILIES[plan.family]`. Classifier-free guidance batches the unconditional and conditional halves into
 one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
-with guidance off the unconditional half is not computed at all. Everything a user changes per request
+with guidance off the unconditional half is not computed at all. A family guided by embedding (LCM) never has
+that half: each slot's `g` reaches the UNet as `guidance_scale_embedding(g - 1)` (`Conditioning.timestep_cond`). Everything a user changes per request
 (steps, guidance scale, seed, prompt and its emphasis) is a traced array; only the `Plan` (shapes, the
 scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's chunk count) is static.
 """
@@ -23,7 +24,7 @@ from flax import nnx
 
 from .. import schedulers
 from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Models
-from ..nn.layers import ProjectedContext
+from ..nn.layers import ProjectedContext, guidance_scale_embedding
 from . import modes, pairs, prompts
 
 
@@ -36,7 +37,10 @@ class Plan:
     latent_width: int
     scheduler: str
     max_steps: int
-    guidance: bool  # classifier-free guidance on (scale > 1): the UNet batch doubles
+    # Classifier-free guidance as a second, unconditional batch row per image (scale > 1): the UNet batch doubles.
+    # Off for a model guided by embedding (`Family.guided_by_embedding`: LCM; `Jobs.plan` sees to it), which reads
+    # each slot's scale as `Conditioning.timestep_cond` instead: that is the model's, not the plan's.
+    guidance: bool
     family: str = DEFAULT_FAMILY  # `engine.families.FAMILIES` key: the family's record encodes the prompt and denoises
     clip_skip: int = 0  # text encoder layers skipped from the end: a different graph, so static
     chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
@@ -171,6 +175,10 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     if plan.guidance:  # guidance off: the unconditional half is never computed
         uncond = encode_prompts(models, new.neg_ids, new.neg_weights, new.extra, plan, True)
         cond = jax.tree.map(_pair, uncond, cond)
+    unet_config = models.unet.config
+    if FAMILIES[plan.family].guided_by_embedding(unet_config):  # the scale is an input: traced, per slot
+        w = guidance_scale_embedding(new.guidance_scale - 1.0, unet_config.time_cond_proj_dim)
+        cond = dataclasses.replace(cond, timestep_cond=_pair(w, w) if plan.guidance else w)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
     x, kept = noise * new.tables.init_noise_sigma[:, None, None, None], None

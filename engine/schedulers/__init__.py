@@ -59,7 +59,7 @@ __all__ = [
 
 ALGORITHMS: dict[str, ModuleType] = {
     "pndm": pndm,  # PNDMScheduler with skip_prk_steps (PLMS), the SD 1.x default
-    "ddim": ddim,  # DDIMScheduler, eta = 0
+    "ddim": ddim,  # DDIMScheduler, with its eta
     "euler": euler,  # EulerDiscreteScheduler
     "euler_a": euler_ancestral,  # EulerAncestralDiscreteScheduler
     "dpm++2m": dpm_solver,  # DPMSolverMultistepScheduler, dpmsolver++ of order 2
@@ -121,7 +121,7 @@ def tables(
     With `strength` (image-to-image and inpainting), the schedule starts at the step that strength selects
     and the initial latents are `add_noise(image latents, noise, first timestep)`, as diffusers' img2img
     pipelines do; inpainting at strength 1 starts from pure noise, as `StableDiffusionInpaintPipeline` does.
-    `eta` in [0, 1] is the stochasticity diffusers' pipelines pass to `step` (TCD's gamma); kinds without
+    `eta` in [0, 1] is the stochasticity diffusers' pipelines pass to `step` (DDIM's eta, TCD's gamma); kinds without
     one ignore it, as the pipelines do. It changes table values only, never the compiled program.
     """
     module, s = get(kind), settings(config, kind)

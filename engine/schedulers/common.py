@@ -247,7 +247,7 @@ class Tables:
     init_signal: Array  # [] f32: image modes start from init_signal * image latents + init_noise_sigma * noise
     blend_signal: Array  # [L] f32: 4-channel inpainting's known latents after step i are blend_signal * image
     blend_noise: Array  # [L] f32: ... + blend_noise * noise (add_noise at the next timestep; the clean image last)
-    eta: Array  # [] f32: the stochasticity the call asked for (TCD's gamma); its coefficients are host-computed
+    eta: Array  # [] f32: the stochasticity the call asked for (DDIM's eta, TCD's gamma); its coefficients are host-computed
     prediction_type: str = dataclasses.field(default="epsilon", metadata=dict(static=True))
     options: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), metadata=dict(static=True))
 

@@ -32,10 +32,11 @@ from ..sampling.images import canny_image
 from ..sampling.pipeline import Plan
 from ..sampling.preview import DecodedPreview, Previewer, PreviewMap, fit_preview
 from ..sampling.prompts import TokenizedPrompt
-from .batcher import Batcher, Job
+from .batcher import Batcher
 from .jobs import Jobs
 from .lora_serving import ServedLoRAs
 from .programs import Programs
+from .slots import Job
 from .ticket import Progress, Ticket
 from .warmup import Warmup, start_in_background, warmup_plans
 from .warmup import warmup as compile_warmup
@@ -134,18 +135,7 @@ class Engine:
         self.programs = Programs(
             model.graphdef, self.params, self._lanes, replicated, self.jobs.example, max_plans, checker=checker
         )
-        # Fitted once, in the background beside the warm-up (one small VAE decode, compiled unless cached):
-        # a request's first preview may come a moment later, Ready never does. A tiny autoencoder needs no
-        # fit: it decodes the previews itself, in each batch's decode program (engine/sampling/preview.py).
-        self._preview: Future | None = None
-        if previews and model.tiny_vae:
-            self._preview = Future()
-            self._preview.set_result(DecodedPreview())
-        elif previews:
-            self._preview = future = Future()
-            fit = (model.graphdef, self.params, model.latent_channels, model.family)
-            # Not a daemon: the interpreter waits for it at exit, rather than tear JAX down under it (a crash).
-            threading.Thread(target=lambda: future.set_result(_fit_or_none(*fit)), name="jax-sd-preview").start()
+        self._preview = _start_previews(model, self.params) if previews else None
         self.warmup_state = Warmup()
         self._batcher = Batcher(
             self.programs,
@@ -248,14 +238,14 @@ class Engine:
         image: Image.Image | None = None,
         mask_image: Image.Image | None = None,
         strength: float | None = None,
+        eta: float = 0.0,
     ) -> GenerationResult:
-        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early.
-
+        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early; `eta` is
+        the sampler's stochasticity as diffusers' pipelines pass it (DDIM's eta, TCD's gamma; others ignore it).
         `control_image` (a PIL picture; a server with a ControlNet) steers every image, its residuals scaled by
-        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0).
-        `image`: start from this picture (image-to-image), noised to the step `strength` selects; with
-        `mask_image` (white = repaint), only the white part is redrawn (inpainting). `latents` is then the
-        noise mixed into the picture."""
+        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0). `image`:
+        start from this picture (image-to-image), noised to the step `strength` selects; with `mask_image` (white =
+        repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -274,6 +264,7 @@ class Engine:
             image=image,
             mask_image=mask_image,
             strength=strength,
+            eta=eta,
         )
         ticket = self.submit(request)
         if progress is not None:
@@ -299,6 +290,20 @@ class Engine:
     def close(self) -> None:
         self._batcher.close()
         self.programs.shutdown()
+
+
+def _start_previews(model: LoadedModel, params) -> Future:
+    """What will draw the live previews. The map is fitted once, in the background beside the warm-up (one small
+    VAE decode, compiled unless cached): a request's first preview may come a moment later, Ready never does.
+    A tiny autoencoder needs no fit: it decodes the previews itself, in each batch's decode program."""
+    future: Future = Future()
+    if model.tiny_vae:
+        future.set_result(DecodedPreview())
+        return future
+    fit = (model.graphdef, params, model.latent_channels, model.family)
+    # Not a daemon: the interpreter waits for it at exit, rather than tear JAX down under it (a crash).
+    threading.Thread(target=lambda: future.set_result(_fit_or_none(*fit)), name="jax-sd-preview").start()
+    return future
 
 
 def _fit_or_none(*args) -> PreviewMap | None:

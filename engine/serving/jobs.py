@@ -15,14 +15,15 @@ import numpy as np
 
 from .. import schedulers
 from ..errors import InvalidRequest
+from ..families import FAMILIES
 from ..families.loader import LoadedModel
 from ..request import GenerationRequest, Limits
 from ..sampling import modes
 from ..sampling.images import control_image_array
 from ..sampling.pipeline import Admission, Plan
 from ..sampling.prompts import TokenizedPrompt, align, tokenize_prompt
-from .batcher import Job
 from .lora_serving import ServedLoRAs
+from .slots import Job
 from .ticket import Ticket
 
 
@@ -51,13 +52,15 @@ class Jobs:
         if chunks is None:
             chunks = max(p.chunks for p in self.prompts(r))
         factor = self.model.vae_scale_factor
+        # A model that reads the scale as an embedding (LCM) never takes the unconditional row.
+        by_embedding = FAMILIES[self.model.family].guided_by_embedding(self.model.unet_config)
         return Plan(
             batch=self.batch_size,
             latent_height=r.height // factor,
             latent_width=r.width // factor,
             scheduler=r.scheduler,
             max_steps=self.limits.max_steps,
-            guidance=r.guided,
+            guidance=r.guided and not by_embedding,
             family=self.model.family,
             clip_skip=int(r.clip_skip),
             chunks=chunks,
@@ -91,6 +94,7 @@ class Jobs:
             plan.max_steps,
             strength=None if plan.mode == "txt2img" else float(1.0 if r.strength is None else r.strength),
             inpaint=plan.mode == "inpaint",
+            eta=float(r.eta),
         )
         return Job(
             ticket=ticket,

@@ -67,6 +67,11 @@ def lane_widths(slots_per_device: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
+def ideal_width(plan, needed: int) -> int:
+    """The narrowest lane width that holds `needed` slots per device."""
+    return min(w for w in lane_widths(plan.slots_per_device) if w >= needed)
+
+
 @dataclass(frozen=True)
 class Lanes:
     """The three programs of one plan at one width (slots run per device)."""

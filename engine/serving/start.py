@@ -1,5 +1,5 @@
 """Starting an engine: the run dtype, the on-disk compilation cache, and `load_pipeline`, which loads a model
-with its ControlNet, LoRAs and safety checker and puts it on the devices."""
+with its VAE, ControlNet, LoRAs and safety checker and puts it on the devices."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jax
 from ..families.loader import load_model_folder
 from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
+from ..loading.vae import attach_vae, load_vae
 from .engine import Engine
 
 
@@ -36,18 +37,25 @@ def load_pipeline(
     safety_checker: bool = True,
     controlnet: str | os.PathLike | None = None,
     loras: dict[str, str | os.PathLike] | None = None,
+    vae: str | os.PathLike | None = None,
     **serving,
 ) -> Engine:
     """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
 
     `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
     repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
-    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews). `controlnet`: a diffusers-format
-    ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`: name ->
-    LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
+    sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews, preview_every_s). `controlnet`: a
+    diffusers-format ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`:
+    name -> LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
+    `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
+    model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
+    SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
+    refused at load if its latents are not the UNet's.
     """
     dtype = dtype or default_dtype()
     model = load_model_folder(source, dtype)
+    if vae is not None:
+        model = attach_vae(model, load_vae(vae, dtype))
     if controlnet is not None:
         model = attach_controlnet(model, load_controlnet(controlnet, dtype))
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}

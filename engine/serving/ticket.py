@@ -32,7 +32,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Preview:
-    images: list[np.ndarray]  # uint8 [h/8, w/8, 3] per image that has started, from the latents
+    # uint8 per image that has started: [h/8, w/8, 3] from the latents, or [h, w, 3] decoded by a tiny VAE
+    images: list[np.ndarray]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,210 @@
+"""Seconds per picture on this machine, as a visitor waits for one: ours against diffusers (PyTorch, f32 and bf16)
+with the same VAE, on random-weight models of the shapes a CPU user picks.
+
+    python bench/picture.py --model sd-turbo --steps 1 4 --rounds 3   # SD-Turbo's shape at 512x512, no guidance
+    python bench/picture.py --model sdxs --steps 1                    # an SDXS-512-like small UNet, tiny VAE
+    python bench/picture.py --model sd15-lcm --steps 4                # SD 1.5's shape with the LCM sampler
+
+Each model is written once with diffusers (`save_pretrained`): the pipeline folder and a TAESD-shaped
+`AutoencoderTiny` folder beside it. Each system runs in a process of its own, the systems taking turns for
+`--rounds` rounds; each keeps its fastest picture (after a warm-up call) per step count. Systems:
+`ours` (f32, the app's core pair) with the model's own KL VAE and with the tiny one (`vae=`), `diffusers`
+f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diffusers-kl` f32 with the KL VAE.
+Prints one JSON line per system and the table; the 1-minute load average rides along (repeat above 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SD2_UNET = dict(  # stabilityai/sd-turbo's unet/config.json (SD 2.1-base)
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    cross_attention_dim=1024,
+    attention_head_dim=(5, 10, 20, 20),
+    use_linear_projection=True,
+    layers_per_block=2,
+    sample_size=64,
+)
+OPENCLIP_H = dict(  # its text_encoder/config.json (OpenCLIP ViT-H/14's text tower)
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16, hidden_act="gelu"
+)
+SD15_UNET = dict(
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    layers_per_block=2,
+    sample_size=64,
+)
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+KL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+MODELS = {
+    # Trailing timesteps and no guidance, as SD-Turbo's folder ships (our loader reads it as Turbo).
+    "sd-turbo": dict(unet=SD2_UNET, clip=OPENCLIP_H, vae=KL_VAE, scheduler="euler", guidance=0.0, size=512),
+    # SDXS-512: SD 2.1's text side, a UNet with fewer levels, one layer per block, no middle block.
+    "sdxs": dict(
+        unet=dict(
+            SD2_UNET,
+            block_out_channels=(320, 640, 1280),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(5, 10, 20),
+            layers_per_block=1,
+            mid_block_type=None,
+        ),
+        clip=OPENCLIP_H,
+        vae=KL_VAE,
+        scheduler="euler",
+        guidance=0.0,
+        size=512,
+    ),
+    "sd15-lcm": dict(unet=SD15_UNET, clip=CLIP_L, vae=KL_VAE, scheduler="lcm", guidance=1.0, size=512),
+}
+WORKER_ENV = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def write_models(name: str, folder: Path) -> tuple[Path, Path]:
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderTiny,
+        EulerDiscreteScheduler,
+        LCMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    spec = MODELS[name]
+    pipe_dir, tiny_dir = folder / name, folder / f"{name}-taesd"
+    if (pipe_dir / "model_index.json").is_file() and (tiny_dir / "config.json").is_file():
+        return pipe_dir, tiny_dir
+    torch.manual_seed(0)
+    tokenizer = CLIPTokenizer.from_pretrained(str(ROOT / "engine" / "assets" / "default" / "tokenizer"))
+    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    blocks = len(spec["vae"]["block_out_channels"])
+    schedule = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1)
+    if spec["scheduler"] == "lcm":
+        scheduler = LCMScheduler(**schedule)
+    else:
+        scheduler = EulerDiscreteScheduler(**schedule, timestep_spacing="trailing")
+    pipe = StableDiffusionPipeline(
+        unet=UNet2DConditionModel(**spec["unet"]),
+        vae=AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * blocks,
+            up_block_types=("UpDecoderBlock2D",) * blocks,
+            **spec["vae"],
+        ),
+        text_encoder=CLIPTextModel(CLIPTextConfig(max_position_embeddings=77, **ids, **spec["clip"])),
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(pipe_dir)
+    AutoencoderTiny().save_pretrained(tiny_dir)  # madebyollin/taesd's layout, random weights
+    return pipe_dir, tiny_dir
+
+
+def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int]) -> dict:
+    from engine import load_pipeline, pair_cores
+
+    pair_cores()  # as the app runs on a CPU host
+    pipe = load_pipeline(pipe_dir, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
+    size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
+
+    def picture(n: int) -> None:
+        pipe.generate("a photo of a cat", height=size, width=size, num_inference_steps=n, **kwargs)
+
+    return {n: best(lambda n=n: picture(n)) for n in steps}
+
+
+def time_diffusers(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], bf16: bool) -> dict:
+    import torch
+    from diffusers import AutoencoderTiny, StableDiffusionPipeline
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, torch_dtype=dtype)
+    if tiny_dir:
+        pipe.vae = AutoencoderTiny.from_pretrained(tiny_dir, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    size = spec["size"]
+
+    def picture(n: int) -> None:
+        with torch.inference_mode():
+            pipe("a photo of a cat", height=size, width=size, num_inference_steps=n, guidance_scale=spec["guidance"])
+
+    return {n: best(lambda n=n: picture(n)) for n in steps}
+
+
+def best(call, reps: int = 2) -> float:
+    call()  # warm-up: compiles (ours) or fills caches (PyTorch)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+SYSTEMS = ("ours-taesd", "ours-kl", "diffusers-taesd", "diffusers-bf16-taesd", "diffusers-kl")
+
+
+def worker(system: str, model: str, folder: Path, steps: list[int]) -> dict:
+    pipe_dir, tiny_dir = write_models(model, folder)
+    tiny = tiny_dir if system.endswith("taesd") else None
+    if system.startswith("ours"):
+        return time_ours(pipe_dir, tiny, MODELS[model], steps)
+    return time_diffusers(pipe_dir, tiny, MODELS[model], steps, bf16="bf16" in system)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="sd-turbo")
+    parser.add_argument("--steps", type=int, nargs="+", default=[1])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "jax-sd-bench-picture")
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.model, args.folder, args.steps)), flush=True)
+        return
+    args.folder.mkdir(parents=True, exist_ok=True)
+    write_models(args.model, args.folder)
+    rounds: dict[str, list[dict]] = {system: [] for system in args.systems}
+    for _ in range(args.rounds):
+        for system in args.systems:
+            command = [sys.executable, __file__, "--worker", system, "--model", args.model]
+            command += ["--folder", str(args.folder), "--steps", *map(str, args.steps)]
+            done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
+            if done.returncode != 0:
+                raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
+            rounds[system].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    load = os.getloadavg()[0]
+    print(f"# {args.model}, {MODELS[args.model]['size']}px, seconds per picture, best of {args.rounds} round(s)")
+    print("| system | " + " | ".join(f"{n} step{'s' * (n > 1)}" for n in args.steps) + " |")
+    print("|---|" + "---|" * len(args.steps))
+    for system, results in rounds.items():
+        fastest = {n: min(r[str(n)] for r in results) for n in args.steps}
+        print(f"| {system} | " + " | ".join(f"{fastest[n]:.2f}" for n in args.steps) + " |")
+        print(json.dumps({"system": system, "model": args.model, "best_s": fastest, "rounds": results, "load": load}))
+
+
+if __name__ == "__main__":
+    main()

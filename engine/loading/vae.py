@@ -1,0 +1,86 @@
+"""Any VAE in place of a model's own: a diffusers `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or `AutoencoderTiny`
+(TAESD: madebyollin/taesd for SD 1.x/2.x, madebyollin/taesdxl for SDXL), as after diffusers'
+`pipe.vae = AutoencoderTiny.from_pretrained(...)`.
+
+The class comes from the folder's config.json `_class_name`; loading is strict like every load (every tensor
+matched). The VAE must draw the latents the model's UNet draws: the same channels and the same pixels per
+latent, or it is refused by name. Sampling reads only what both classes share: `encode` -> (mean, logvar),
+`decode`, and the config's `scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`, `latent_channels`,
+`vae_scale_factor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from flax import nnx
+
+from ..errors import ConfigError, SourceError
+from ..models.autoencoder_tiny import AutoencoderTiny
+from ..models.config import AutoencoderTinyConfig, VAEConfig
+from ..models.vae import AutoencoderKL
+from .sources import component_folder, component_weight_files
+from .weights import convert, read_safetensors
+
+# config.json `_class_name` -> (config, model)
+VAE_CLASSES = {"AutoencoderKL": (VAEConfig, AutoencoderKL), "AutoencoderTiny": (AutoencoderTinyConfig, AutoencoderTiny)}
+OWN_VAE = "the model's own VAE"  # what `LoadedModel.vae` says when no other VAE was given
+
+
+@dataclass
+class LoadedVAE:
+    name: str  # what the user asked for: a folder or a Hub id
+    class_name: str  # "AutoencoderKL" | "AutoencoderTiny"
+    config: VAEConfig | AutoencoderTinyConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State  # host numpy arrays in the run dtype (f32 where fp16 would overflow: `force_upcast`)
+
+
+def load_vae(source: str | Path, dtype: str = "float32") -> LoadedVAE:
+    """A diffusers-format VAE folder (config.json + diffusion_pytorch_model*.safetensors), a pipeline folder's
+    `vae/` sub-folder, or a Hub id (either layout); every tensor must fit (missing ones are named)."""
+    variant = "fp16" if dtype in ("float16", "bfloat16") else None
+    root = component_folder(source, "VAE", "vae", variant)
+    path = root / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from err
+    class_name = raw.get("_class_name") if isinstance(raw, dict) else None
+    if not isinstance(class_name, str) or class_name not in VAE_CLASSES:
+        raise SourceError(
+            f"{source}: a VAE of class {class_name!r} is not supported (supported: {', '.join(VAE_CLASSES)})"
+        )
+    config_class, model_class = VAE_CLASSES[class_name]
+    cfg = config_class.from_dict(raw, where=str(path))
+    # As the model's own VAE: one that overflows in fp16 runs in f32 (diffusers upcasts it too).
+    run_dtype = "float32" if dtype == "float16" and cfg.force_upcast else dtype
+    tensors = read_safetensors(component_weight_files(root, variant, "VAE"))
+    graphdef, params = convert(lambda: model_class(cfg, nnx.Rngs(0)), tensors, run_dtype, where=str(source))
+    return LoadedVAE(name=str(source), class_name=class_name, config=cfg, graphdef=graphdef, params=params)
+
+
+def attach_vae(model, vae: LoadedVAE):
+    """`model` (a `families.loader.LoadedModel`) with `vae` as `Models.vae` in its one param tree and as its
+    `vae_config`. Refuses a VAE whose latents are not the UNet's: other channels, or other pixels per latent."""
+    problems = []
+    want = model.unet_latent_channels
+    if vae.config.latent_channels != want:
+        problems.append(f"its latent_channels is {vae.config.latent_channels}, the model's UNet draws {want}")
+    factor, own = vae.config.vae_scale_factor, model.vae_scale_factor
+    if factor != own:
+        problems.append(
+            f"its vae_scale_factor is {factor} (pixels per latent along a side), the model's own VAE's is {own}"
+        )
+    if problems:
+        raise SourceError(
+            f"VAE {vae.name} does not fit the model {model.name}: {'; '.join(problems)}. "
+            "Is it a VAE for another model family (SD 1.x/2.x/XL draw 4 channels, SD3 and FLUX.1 16)?"
+        )
+    models = nnx.merge(model.graphdef, model.params)  # host arrays stay host arrays
+    models.vae = nnx.merge(vae.graphdef, vae.params)
+    graphdef, params = nnx.split(models)
+    return dataclasses.replace(model, graphdef=graphdef, params=params, vae_config=vae.config, vae=vae.name)

@@ -1,0 +1,299 @@
+"""AUTOMATIC1111's web UI API (`/sdapi/v1/...`) over the engine, for Open WebUI, SillyTavern, the `webuiapi`
+package and the many tools that speak it. Read A1111's `modules/api/api.py` for the original.
+
+- `txt2img` / `img2img`: one engine request of `batch_size x n_iter` pictures (seeds seed, seed+1, ...); A1111's
+  sampler and scheduler names, clip skip and `<lora:name:weight>` prompt tags are read in `names.py`. An
+  interrupted request answers with no pictures and `"interrupted": true` in its info, as A1111 answers 200.
+- `progress` / `interrupt`: about the caller's own running API requests (`api_common.ApiJobs`), not the server's.
+- `sd-models` / `options`: the one model the server was started with. Setting `sd_model_checkpoint` to it is
+  accepted; to any other is refused (422): the server never switches models for a client. Other options are
+  accepted and change nothing (the server's settings are not one client's to change; per-request
+  `override_settings` are read).
+- Lists of what jax-sd does not have (upscalers, VAEs, scripts, embeddings, ...) are empty, in A1111's shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from PIL import Image, ImageOps
+
+import engine
+from engine.compat.pnginfo import GenerationParameters, format_parameters
+
+from . import names
+from .a1111_models import (
+    EmbeddingsResponse,
+    ImagesResponse,
+    Img2ImgRequest,
+    LoraItem,
+    ProgressResponse,
+    ProgressState,
+    SamplerItem,
+    SchedulerItem,
+    ScriptsList,
+    SDModelItem,
+    Txt2ImgRequest,
+)
+from .api_common import ApiJob, ApiJobs, b64, caller_of, decode_base64, opaque, preview_png, read_picture, result_pngs
+from .api_gate import ApiError
+from .requests import api_request
+
+
+def _refuse(message: str) -> engine.InvalidRequest:
+    return engine.InvalidRequest(message)
+
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+def model_title(pipe: engine.EngineFace) -> str:
+    return pipe.model_name
+
+
+def check_model(pipe: engine.EngineFace, name: Any) -> None:
+    """A client may name the server's own model (A1111 titles carry a " [hash]" and a file extension); any
+    other is refused, never switched to."""
+    if name is None or name == "":
+        return
+    wanted = re.sub(r"\s*\[[0-9a-fA-F]*\]$", "", str(name).strip())
+    wanted = re.sub(r"\.(safetensors|ckpt)$", "", wanted)
+    title = model_title(pipe)
+    if wanted not in (title, title.rsplit("/", 1)[-1]):
+        raise _refuse(
+            f"model {name!r} is not served here: this server serves only {title!r} and does not switch models "
+            "(its --model is chosen when it starts)"
+        )
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+def _binary_mask(mask: Image.Image, invert: bool) -> Image.Image:
+    """A1111's mask: white repaints; a mask with transparent pixels is read from its alpha; rounded to 0 or 255."""
+    if mask.mode in ("RGBA", "LA") and mask.getchannel("A").getextrema() != (255, 255):
+        mask = mask.getchannel("A")
+    mask = mask.convert("L").point(lambda v: 255 if v > 128 else 0)
+    return ImageOps.invert(mask) if invert else mask
+
+
+def _pictures(pipe: engine.EngineFace, body: Img2ImgRequest) -> dict[str, Any]:
+    """The request's image (and mask) from img2img's base64 fields; sizes checked before pixels are read."""
+    if not body.init_images:
+        raise _refuse("img2img needs init_images: a list with one base64 picture")
+    if len(body.init_images) > 1:
+        raise _refuse("img2img draws from one init image per request here; send each picture in its own request")
+    side = pipe.limits.max_side
+    image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", side)
+    fields: dict[str, Any] = {"image": opaque(image), "strength": body.denoising_strength}
+    if body.mask:
+        mask = read_picture(decode_base64(body.mask, "mask"), "mask", side)
+        fields["mask_image"] = _binary_mask(mask, bool(body.inpainting_mask_invert))
+    return fields
+
+
+def build_request(
+    pipe: engine.EngineFace, body: Txt2ImgRequest, pictures: dict[str, Any] | None = None
+) -> engine.GenerationRequest:
+    settings = body.override_settings or {}
+    check_model(pipe, settings.get("sd_model_checkpoint"))
+    if body.batch_size < 1 or body.n_iter < 1:
+        raise _refuse(f"batch_size and n_iter must be at least 1, got {body.batch_size} and {body.n_iter}")
+    prompt, loras = names.take_loras(body.prompt)
+    clip = settings.get("CLIP_stop_at_last_layers", body.clip_skip)
+    return api_request(
+        prompt,
+        negative_prompt=body.negative_prompt,
+        seed=body.seed,
+        steps=body.steps,
+        guidance_scale=body.cfg_scale,
+        scheduler=names.a1111_scheduler(pipe, body.sampler_name or body.sampler_index, body.scheduler),
+        width=body.width,
+        height=body.height,
+        num_images=body.batch_size * body.n_iter,
+        clip_skip=names.a1111_clip_skip(clip),
+        lora_scales=loras,
+        **(pictures or {}),
+    )
+
+
+# ---- answers ------------------------------------------------------------------------------------------
+
+
+def info(pipe, body: Txt2ImgRequest, r: engine.GenerationRequest, seeds, withheld, interrupted=False) -> dict:
+    """A1111's `Processed.js()`: what was drawn, with one infotext (the PNG's parameters) per picture."""
+    sampler, schedule = names.a1111_names(r.scheduler)
+    n = len(seeds)
+    texts = [format_parameters(GenerationParameters.from_request(r, seed, pipe.model_name)) for seed in seeds]
+    extra = {"Schedule type": schedule}
+    if r.lora_scales:
+        extra["Lora weights"] = ", ".join(f"{name}: {weight:g}" for name, weight in r.lora_scales.items())
+    return {
+        "prompt": r.prompt,
+        "all_prompts": [r.prompt] * n,
+        "negative_prompt": r.negative_prompt or "",
+        "all_negative_prompts": [r.negative_prompt or ""] * n,
+        "seed": r.seed,
+        "all_seeds": list(seeds),
+        "subseed": -1,
+        "all_subseeds": [-1] * n,
+        "subseed_strength": 0,
+        "width": r.width,
+        "height": r.height,
+        "sampler_name": sampler,
+        "scheduler": schedule,
+        "cfg_scale": r.guidance_scale,
+        "steps": r.num_inference_steps,
+        "batch_size": body.batch_size,
+        "n_iter": body.n_iter,
+        "restore_faces": False,
+        "face_restoration_model": None,
+        "sd_model_name": pipe.model_name,
+        "sd_model_hash": None,
+        "sd_vae_name": None,
+        "sd_vae_hash": None,
+        "seed_resize_from_w": -1,
+        "seed_resize_from_h": -1,
+        "denoising_strength": r.strength if r.image is not None else None,
+        "clip_skip": r.clip_skip + 1,
+        "extra_generation_params": extra,
+        "index_of_first_image": 0,
+        "infotexts": texts,
+        "styles": [],
+        "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+        "is_using_inpainting_conditioning": r.mask_image is not None,
+        "version": "jax-sd",
+        "nsfw_content_detected": list(withheld),
+        "interrupted": interrupted,
+    }
+
+
+def _parameters(body: Txt2ImgRequest) -> dict[str, Any]:
+    values = body.model_dump()
+    if isinstance(body, Img2ImgRequest) and not body.include_init_images:
+        values["init_images"] = values["mask"] = None
+    return values
+
+
+async def generate(pipe, jobs: ApiJobs, body: Txt2ImgRequest, request, http: Request) -> ImagesResponse:
+    job: ApiJob = await jobs.run(pipe, request, http)
+    if isinstance(job.error, engine.Cancelled):
+        text = json.dumps(info(pipe, body, job.request, job.request.image_seeds(), [], interrupted=True))
+        return ImagesResponse(images=[], parameters=_parameters(body), info=text)
+    if isinstance(job.error, engine.InvalidRequest):
+        raise job.error
+    if job.error is not None:
+        raise ApiError(500, f"the pictures could not be drawn: {job.error}", code=type(job.error).__name__)
+    pngs = await asyncio.to_thread(result_pngs, job.result, pipe.model_name)
+    r = job.result.request or job.request
+    details = info(pipe, body, r, [seed for _, seed, _ in pngs], [withheld for _, _, withheld in pngs])
+    images = [b64(png) for png, _, _ in pngs] if body.send_images else []
+    return ImagesResponse(images=images, parameters=_parameters(body), info=json.dumps(details))
+
+
+# ---- the router -----------------------------------------------------------------------------------------
+
+
+def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs) -> APIRouter:
+    router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
+
+    @router.post("/txt2img", response_model=ImagesResponse)
+    async def txt2img(body: Txt2ImgRequest, http: Request):
+        return await generate(pipe, jobs, body, build_request(pipe, body), http)
+
+    @router.post("/img2img", response_model=ImagesResponse)
+    async def img2img(body: Img2ImgRequest, http: Request):
+        pictures = await asyncio.to_thread(_pictures, pipe, body)
+        return await generate(pipe, jobs, body, build_request(pipe, body, pictures), http)
+
+    @router.get("/progress", response_model=ProgressResponse)
+    async def progress(http: Request, skip_current_image: bool = False):
+        mine = jobs.of(caller_of(http))
+        if not mine:
+            return ProgressResponse()
+        job = mine[0]
+        total = job.total or job.request.num_inference_steps or 0
+        done = max(job.step / total if total else 0.0, 0.01)
+        elapsed = time.time() - job.started
+        state = ProgressState(
+            job=f"{len(mine)} API request{'s' if len(mine) != 1 else ''}",
+            job_count=len(mine),
+            job_timestamp=time.strftime("%Y%m%d%H%M%S", time.localtime(job.started)),
+            sampling_step=job.step,
+            sampling_steps=total,
+        )
+        image = None if skip_current_image else await asyncio.to_thread(preview_png, job)
+        return ProgressResponse(
+            progress=min(done, 1.0),
+            eta_relative=max(elapsed / done - elapsed, 0.0),
+            state=state,
+            current_image=b64(image) if image else None,
+            textinfo=f"Waiting for a free slot: number {job.position} in line." if job.position else None,
+        )
+
+    @router.post("/interrupt")
+    async def interrupt(http: Request):
+        jobs.interrupt(caller_of(http))
+        return {}
+
+    @router.get("/sd-models", response_model=list[SDModelItem])
+    async def sd_models():
+        title = model_title(pipe)
+        return [SDModelItem(title=title, model_name=title.rsplit("/", 1)[-1], filename=title)]
+
+    @router.get("/options")
+    async def get_options():
+        return {
+            "sd_model_checkpoint": model_title(pipe),
+            "sd_checkpoint_hash": None,
+            "sd_vae": "Automatic",
+            "CLIP_stop_at_last_layers": 1,
+            "samples_format": "png",
+        }
+
+    @router.post("/options")
+    async def set_options(options: dict[str, Any] = Body(...)):  # noqa: B008 - FastAPI's way to take any JSON object
+        check_model(pipe, options.get("sd_model_checkpoint"))
+        return None
+
+    @router.get("/samplers", response_model=list[SamplerItem])
+    async def samplers():
+        return [SamplerItem(name=name, aliases=names.sampler_aliases(name, pipe)) for name in names.samplers(pipe)]
+
+    @router.get("/schedulers", response_model=list[SchedulerItem])
+    async def schedulers():
+        return [
+            SchedulerItem(name=name, label=label, aliases=list(aliases) or None)
+            for name, (label, aliases) in names.SCHEDULES.items()
+        ]
+
+    @router.get("/loras", response_model=list[LoraItem])
+    async def loras():
+        return [LoraItem(name=name, alias=name) for name in getattr(pipe.limits, "loras", ())]
+
+    @router.get("/scripts", response_model=ScriptsList)
+    async def scripts():
+        return ScriptsList()
+
+    @router.get("/embeddings", response_model=EmbeddingsResponse)
+    async def embeddings():
+        return EmbeddingsResponse()
+
+    for path in ("upscalers", "latent-upscale-modes", "sd-vae", "hypernetworks", "face-restorers", "prompt-styles"):
+        router.add_api_route(f"/{path}", _nothing, methods=["GET"], response_model=list[dict[str, Any]])
+    for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):
+        router.add_api_route(f"/{path}", _done, methods=["POST"])
+    return router
+
+
+async def _nothing() -> list:
+    return []
+
+
+async def _done() -> None:
+    return None

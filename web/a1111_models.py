@@ -1,0 +1,108 @@
+"""AUTOMATIC1111's web UI API on the wire: the bodies its clients send and the answers they read, as pydantic
+models named after A1111's `modules/api/models.py`. Only the fields jax-sd reads or writes are declared; any
+other field a client sends (hires fix, restore_faces, scripts, ...) is accepted and ignored, as A1111's own
+clients send dozens of them. A value left out takes the model's own default (A1111's would be 512x512, 50
+steps, CFG 7), except `seed`, which is random (-1) as in A1111.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Txt2ImgRequest(_Body):
+    prompt: str = ""
+    negative_prompt: str | None = ""
+    seed: int | None = -1  # -1: random; picture k of the request gets seed + k
+    steps: int | None = None
+    cfg_scale: float | None = None
+    width: int | None = None
+    height: int | None = None
+    sampler_name: str | None = None  # "Euler a", "DPM++ 2M", ...; none: the model's own default
+    sampler_index: str | None = None  # A1111's older name for sampler_name
+    scheduler: str | None = None  # "Automatic", "Uniform", "Karras" (or their lower-case names)
+    batch_size: int = 1
+    n_iter: int = 1  # batch_size x n_iter pictures in all
+    clip_skip: int | None = None  # SD.Next's field; A1111's is override_settings.CLIP_stop_at_last_layers
+    override_settings: dict[str, Any] | None = None
+    send_images: bool = True
+
+
+class Img2ImgRequest(Txt2ImgRequest):
+    init_images: list[str] | None = None  # base64 pictures, with or without a data: prefix; one is drawn from
+    denoising_strength: float | None = None  # none: the model's own strength
+    mask: str | None = None  # base64; white: repaint (its alpha, when it has transparent pixels)
+    inpainting_mask_invert: int = 0  # 1: black repaints
+    include_init_images: bool = False
+
+
+class ImagesResponse(BaseModel):
+    images: list[str] = Field(description="base64 PNG files, each with its 'parameters' text chunk")
+    parameters: dict[str, Any]
+    info: str = Field(description="a JSON object as text: seeds, sizes, sampler, infotexts")
+
+
+class ProgressState(BaseModel):
+    skipped: bool = False
+    interrupted: bool = False
+    stopping_generation: bool = False
+    job: str = ""
+    job_count: int = 0
+    job_timestamp: str = "0"
+    job_no: int = 0
+    sampling_step: int = 0
+    sampling_steps: int = 0
+
+
+class ProgressResponse(BaseModel):
+    progress: float = 0.0
+    eta_relative: float = 0.0
+    state: ProgressState = ProgressState()
+    current_image: str | None = None
+    textinfo: str | None = None
+
+
+class SamplerItem(BaseModel):
+    name: str
+    aliases: list[str]
+    options: dict[str, str] = {}
+
+
+class SchedulerItem(BaseModel):
+    name: str
+    label: str
+    aliases: list[str] | None = None
+    default_rho: float = -1
+    need_inner_model: bool = False
+
+
+class SDModelItem(BaseModel):
+    title: str
+    model_name: str
+    hash: str | None = None
+    sha256: str | None = None
+    filename: str
+    config: str | None = None
+
+
+class LoraItem(BaseModel):
+    name: str
+    alias: str
+    path: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+class ScriptsList(BaseModel):
+    txt2img: list[str] = []
+    img2img: list[str] = []
+
+
+class EmbeddingsResponse(BaseModel):
+    loaded: dict[str, Any] = {}
+    skipped: dict[str, Any] = {}

@@ -1,0 +1,206 @@
+"""What the REST APIs share: pictures in (base64 or uploads, their size checked before their pixels are read) and
+out (PNG with A1111's "parameters" chunk), and the requests the APIs are running (`ApiJobs`).
+
+Each API request is submitted to the engine and awaited on the event loop (`Ticket.aevents`, never a blocked
+thread). The running ones are kept by caller, so that A1111's `/progress` and `/interrupt` answer about and stop
+the caller's own requests only. A caller is the credential's name (an `--auth` user, "key 2") and the client's
+address: behind one proxy (Open WebUI's or SillyTavern's server) its users share a caller, as they would share
+A1111's one global job. A request whose client hangs up is stopped too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from fastapi import Request
+from PIL import Image
+
+import engine
+from engine.compat.pnginfo import GenerationParameters, save_png
+
+# A picture sent in is resized to the request's size, which the engine caps at its max side; one up to this many
+# times that side is read (a phone photo), a larger one is refused from its header, before its pixels are decoded.
+PICTURE_SIDE_FACTOR = 4
+DISCONNECT_POLL_S = 0.5
+PLACEHOLDER_GREY = (128, 128, 128)  # a picture the safety checker withheld, as the page shows it
+
+
+def _refuse(message: str) -> engine.InvalidRequest:
+    return engine.InvalidRequest(message)
+
+
+# ---- pictures in ------------------------------------------------------------------------------------
+
+
+def decode_base64(text: object, what: str) -> bytes:
+    """The bytes of a base64 picture, with or without a `data:image/...;base64,` prefix."""
+    if not isinstance(text, str) or not text.strip():
+        raise _refuse(f"{what} must be a base64-encoded picture")
+    text = text.strip()
+    if text.startswith("data:"):
+        _, sep, text = text.partition(",")
+        if not sep:
+            raise _refuse(f"{what} is a data URL without data")
+    text = "".join(text.split())
+    try:
+        return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise _refuse(f"{what} is not valid base64") from None
+
+
+def read_picture(data: bytes, what: str, max_side: int) -> Image.Image:
+    """A picture from its file's bytes; its size is read from the header and checked before the pixels are."""
+    limit = PICTURE_SIDE_FACTOR * max_side
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise _refuse(f"{what} is too large to read ({e}); at most {limit}x{limit} pixels are read") from None
+    except (OSError, ValueError):
+        raise _refuse(f"{what} could not be read as a picture (send a PNG, JPEG or WebP file)") from None
+    width, height = image.size
+    if max(width, height) > limit:
+        raise _refuse(f"{what} is {width}x{height} pixels; at most {limit} pixels a side are read")
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError):
+        raise _refuse(f"{what} is damaged: its pixels could not be read") from None
+    return image
+
+
+def opaque(image: Image.Image) -> Image.Image:
+    """The picture to draw from: its colours, any transparency dropped."""
+    return image.convert("RGB")
+
+
+# ---- pictures out -----------------------------------------------------------------------------------
+
+
+def png_bytes(image: Image.Image, params: GenerationParameters | None = None) -> bytes:
+    """PNG file bytes; with `params`, A1111's "parameters" chunk (the picture's recipe)."""
+    buffer = io.BytesIO()
+    if params is None:
+        image.save(buffer, format="PNG")
+    else:
+        save_png(image, buffer, params)
+    return buffer.getvalue()
+
+
+def result_pngs(result: engine.GenerationResult, model: str) -> list[tuple[bytes, int, bool]]:
+    """(PNG bytes, seed, withheld) per picture; a picture the safety checker withheld is a grey placeholder."""
+    flagged = result.nsfw_content_detected or [False] * len(result.images)
+    out = []
+    for image, seed, withheld in zip(result.images, result.seeds, flagged, strict=True):
+        if withheld:
+            out.append((png_bytes(Image.new("RGB", image.size, PLACEHOLDER_GREY)), seed, True))
+        else:
+            out.append((png_bytes(image, GenerationParameters.from_request(result.request, seed, model)), seed, False))
+    return out
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+# ---- the APIs' running requests -----------------------------------------------------------------------
+
+
+def caller_of(http: Request) -> str:
+    """Who is calling: the credential's name (set by `ApiGate`) and the client's address."""
+    name = http.scope.get("state", {}).get("api_caller") or "anyone"
+    return f"{name}@{http.client.host if http.client else 'unknown'}"
+
+
+@dataclass(eq=False)
+class ApiJob:
+    """One API request in the engine: its ticket and what its events said so far."""
+
+    caller: str
+    ticket: engine.Ticket
+    started: float = field(default_factory=time.time)
+    position: int | None = None  # in the engine's queue, while it waits
+    step: int = 0
+    total: int = 0
+    preview: np.ndarray | None = None  # the first picture's latest preview
+    result: engine.GenerationResult | None = None
+    error: BaseException | None = None  # the request's error: InvalidRequest, Cancelled, GenerationFailed, ...
+
+    @property
+    def request(self) -> engine.GenerationRequest:
+        return self.ticket.request  # complete: the model's defaults filled in
+
+    def note(self, event: engine.Event) -> None:
+        if isinstance(event, engine.Queued):
+            self.position = event.position
+        elif isinstance(event, engine.Progress):
+            self.position, self.step, self.total = None, event.step, event.total
+        elif isinstance(event, engine.Preview) and event.images:
+            self.preview = event.images[0]
+        elif isinstance(event, engine.Finished):
+            self.result = event.result
+        elif isinstance(event, engine.Failed):
+            self.error = event.error
+
+    async def wait(self, http: Request | None) -> None:
+        watcher = asyncio.create_task(_stop_when_gone(http, self.ticket)) if http is not None else None
+        try:
+            async for event in self.ticket.aevents():
+                self.note(event)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+async def _stop_when_gone(http: Request, ticket: engine.Ticket) -> None:
+    while not ticket.done:
+        if await http.is_disconnected():
+            ticket.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+class ApiJobs:
+    """The requests the APIs are running, by caller. Used on the event loop only."""
+
+    def __init__(self):
+        self._running: list[ApiJob] = []
+
+    async def run(self, pipe: engine.EngineFace, request: engine.GenerationRequest, http: Request) -> ApiJob:
+        """Submits and awaits a request; raises `engine.InvalidRequest` or `engine.Busy` at once. The job
+        comes back with its `result`, or its `error`."""
+        job = ApiJob(caller_of(http), pipe.submit(request))
+        self._running.append(job)
+        try:
+            await job.wait(http)
+        finally:
+            self._running.remove(job)
+        return job
+
+    def of(self, caller: str) -> list[ApiJob]:
+        return [job for job in self._running if job.caller == caller]
+
+    def interrupt(self, caller: str) -> int:
+        """Stops the caller's running requests; how many."""
+        mine = self.of(caller)
+        for job in mine:
+            job.ticket.cancel()
+        return len(mine)
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+
+def preview_png(job: ApiJob) -> bytes | None:
+    """The job's latest preview at the request's size (previews come at the latents' size)."""
+    if job.preview is None:
+        return None
+    r = job.request
+    image = Image.fromarray(np.asarray(job.preview, dtype=np.uint8))
+    if r.width and r.height and image.size != (r.width, r.height):
+        image = image.resize((r.width, r.height), Image.Resampling.BILINEAR)
+    return png_bytes(image)

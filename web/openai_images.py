@@ -1,0 +1,195 @@
+"""OpenAI's Images API (`/v1/images/generations`, `/v1/images/edits`) over the engine, for the `openai` client,
+Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
+
+- `model` is accepted whatever it names: the server draws with its own model.
+- `size` is "WIDTHxHEIGHT" (a size the server does not offer is refused with the list), or "auto" / none for
+  the model's own; `n` pictures get seeds seed, seed+1, ...
+- Our request's own names ride along as extra body fields: `negative_prompt`, `seed`, `num_inference_steps`,
+  `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, and for edits
+  `strength`. With the `openai` client: `extra_body={"seed": 5}`.
+- `response_format`: "b64_json" (the default, as gpt-image models answer) or "url": a link to the PNG on this
+  server, kept for `LINK_TTL_S` (at most `LINK_MAX_BYTES` of them; the oldest go first).
+- `edits` (multipart): `image`, and an optional `mask` in OpenAI's convention (transparent pixels are redrawn):
+  with a mask it is inpainting, without one image-to-image.
+- Errors come in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (api_gate.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+import engine
+
+from . import names
+from .api_common import ApiJobs, b64, opaque, read_picture, result_pngs
+from .api_gate import ApiError
+from .requests import api_request
+
+LINK_TTL_S = 600.0
+LINK_MAX_BYTES = 128 * 2**20
+FORMATS = ("b64_json", "url")
+
+
+class GenerationsBody(BaseModel):
+    """OpenAI's fields that jax-sd reads, then ours; every other field (quality, style, user, ...) is ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str
+    n: int | None = 1
+    size: str | None = None
+    response_format: str | None = None
+    model: str | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    scheduler: str | None = None
+    clip_skip: int | None = None
+
+
+class EditsBody(GenerationsBody):
+    strength: float | None = None
+
+
+class PictureLinks:
+    """The PNGs behind `response_format=url`, each under an unguessable name for a while."""
+
+    def __init__(self, ttl_s: float = LINK_TTL_S, max_bytes: int = LINK_MAX_BYTES):
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._files: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._files and (
+            next(iter(self._files.values()))[0] < now or sum(len(d) for _, d in self._files.values()) > self.max_bytes
+        ):
+            self._files.popitem(last=False)
+
+    def add(self, png: bytes) -> str:
+        name = f"{secrets.token_urlsafe(24)}.png"
+        self._files[name] = (time.monotonic() + self.ttl_s, png)
+        self._expire()
+        return name
+
+    def get(self, name: str) -> bytes | None:
+        self._expire()
+        entry = self._files.get(name)
+        return entry[1] if entry else None
+
+
+def _edit_pictures(pipe: engine.EngineFace, image: bytes, mask: bytes | None) -> dict[str, Any]:
+    side = pipe.limits.max_side
+    picture = read_picture(image, "image", side)
+    fields: dict[str, Any] = {"image": opaque(picture)}
+    if mask is not None:
+        drawn = read_picture(mask, "mask", side)
+        if "A" not in drawn.getbands() and "transparency" not in drawn.info:
+            raise engine.InvalidRequest(
+                "mask must be a PNG with an alpha channel: its transparent pixels mark what to redraw"
+            )
+        alpha = drawn.convert("RGBA").getchannel("A")
+        fields["mask_image"] = alpha.point(lambda a: 255 if a < 128 else 0)
+    return fields
+
+
+async def draw(
+    pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks, http: Request, body: GenerationsBody, pictures=None
+) -> dict[str, Any]:
+    response_format = body.response_format or "b64_json"
+    if response_format not in FORMATS:
+        raise ApiError(
+            400, f"response_format must be one of {', '.join(FORMATS)}", code="invalid_value", param="response_format"
+        )
+    if not body.prompt.strip():
+        raise ApiError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+    prompt, loras = names.take_loras(body.prompt)
+    width, height = names.openai_size(body.size)
+    request = api_request(
+        prompt,
+        negative_prompt=body.negative_prompt,
+        seed=body.seed,
+        steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        scheduler=names.our_scheduler(pipe, body.scheduler),
+        width=width,
+        height=height,
+        num_images=1 if body.n is None else body.n,
+        clip_skip=body.clip_skip or 0,
+        lora_scales=loras,
+        **(pictures or {}),
+    )
+    job = await jobs.run(pipe, request, http)
+    if isinstance(job.error, engine.Cancelled):
+        raise ApiError(409, "the request was stopped before it finished", code="cancelled")
+    if isinstance(job.error, engine.InvalidRequest):
+        raise job.error
+    if job.error is not None:
+        raise ApiError(500, f"the pictures could not be drawn: {job.error}", code=type(job.error).__name__)
+    pngs = await asyncio.to_thread(result_pngs, job.result, pipe.model_name)
+    kept = [png for png, _, withheld in pngs if not withheld]
+    if not kept:
+        raise ApiError(
+            400,
+            "the safety checker withheld every picture; try another prompt or seed",
+            code="content_policy_violation",
+        )
+    revised = {"revised_prompt": prompt} if prompt != body.prompt else {}
+    if response_format == "url":
+        data = [{"url": str(http.url_for("openai_image_file", name=links.add(png))), **revised} for png in kept]
+    else:
+        data = [{"b64_json": b64(png), **revised} for png in kept]
+    r = job.result.request or job.request
+    return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{r.width}x{r.height}"}
+
+
+async def _read_edit_form(http: Request) -> tuple[EditsBody, bytes, bytes | None]:
+    form = await http.form()
+    try:
+        images = [v for k, v in form.multi_items() if k in ("image", "image[]") and not isinstance(v, str)]
+        if len(images) != 1:
+            raise ApiError(400, "send exactly one picture to edit, as the multipart file field image", param="image")
+        masks = [v for k, v in form.multi_items() if k == "mask" and not isinstance(v, str)]
+        fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
+        try:
+            body = EditsBody.model_validate(fields)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return body, await images[0].read(), await masks[0].read() if masks else None
+    finally:
+        await form.close()
+
+
+def openai_router(pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks | None = None) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["OpenAI Images"])
+    links = links or PictureLinks()
+
+    @router.post("/images/generations")
+    async def generations(body: GenerationsBody, http: Request):
+        return await draw(pipe, jobs, links, http, body)
+
+    @router.post("/images/edits")
+    async def edits(http: Request):
+        body, image, mask = await _read_edit_form(http)
+        pictures = await asyncio.to_thread(_edit_pictures, pipe, image, mask)
+        pictures["strength"] = body.strength
+        return await draw(pipe, jobs, links, http, body, pictures)
+
+    @router.get("/images/files/{name}", name="openai_image_file")
+    async def image_file(name: str):
+        png = links.get(name)
+        if png is None:
+            raise ApiError(404, "no such picture here (links last a few minutes)", code="not_found")
+        return Response(png, media_type="image/png", headers={"Cache-Control": "private, max-age=600"})
+
+    return router
