@@ -452,7 +452,7 @@ def test_a_picture_with_two_loras_matches_diffusers(family):
             model_in = schedulers.scale_model_input("ddim", table, i, x)
             out = models.unet(jnp.concatenate([model_in, model_in]), schedulers.timestep(table, i), context)
             eps = out[:1] + guidance * (out[1:] - out[:1])
-            return schedulers.step("ddim", table, state, i, eps, x)
+            return schedulers.step("ddim", table, state, i, eps, x, jnp.zeros_like(x))  # eta 0: no noise
 
         x = x * table.init_noise_sigma
         x, _ = jax.lax.fori_loop(0, table.num_loop_steps, body, (x, schedulers.init_state("ddim", x)))

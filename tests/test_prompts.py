@@ -391,7 +391,8 @@ def our_pictures(loaded, models, cond, uncond, latents: np.ndarray, steps: int, 
         timesteps = jnp.full((2 * x.shape[0],), schedulers.timestep(t, i))
         out = models.unet(jnp.concatenate([model_in, model_in]), timesteps, context)
         uncond_out, cond_out = jnp.split(out.astype(jnp.float32), 2)
-        return schedulers.step(kind, t, state, i, uncond_out + guidance * (cond_out - uncond_out), x)
+        eps = uncond_out + guidance * (cond_out - uncond_out)
+        return schedulers.step(kind, t, state, i, eps, x, jnp.zeros_like(x))  # DDIM at eta 0: no noise
 
     x = jnp.asarray(latents.transpose(0, 2, 3, 1)) * t.init_noise_sigma  # NHWC inside the engine
     state = schedulers.init_state(kind, x)

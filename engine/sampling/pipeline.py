@@ -7,8 +7,8 @@ its own schedule, `decode` turns latents into pictures. What differs by family (
 the denoiser's call) comes from the family's record, `engine.families.FAMILIES[plan.family]`. Classifier-free guidance batches the unconditional and conditional halves into
 one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
 with guidance off the unconditional half is not computed at all. A family guided by embedding (LCM) never has
-that half: each slot's `g` reaches the UNet as `guidance_scale_embedding(g - 1)` (`Conditioning.timestep_cond`). Everything a user changes per request
-(steps, guidance scale, seed, prompt and its emphasis) is a traced array; only the `Plan` (shapes, the
+that half: each slot's `g` reaches the UNet as `guidance_scale_embedding(g - 1)` (`Conditioning.timestep_cond`).
+Everything a user changes per request (steps, guidance scale, seed, prompt and its emphasis, eta) is a traced array; only the `Plan` (shapes, the
 scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's chunk count) is static.
 """
 
