@@ -64,6 +64,7 @@ def test_generations_draw_n_pictures_with_consecutive_seeds_and_our_extra_fields
             "num_inference_steps": 3,
             "guidance_scale": 4.5,
             "scheduler": "euler_a",
+            "eta": 0.3,
         },
     )
     images = [decode_png(item.b64_json) for item in answer.data]
@@ -72,7 +73,7 @@ def test_generations_draw_n_pictures_with_consecutive_seeds_and_our_extra_fields
     assert png_info(images[1]).seed == 6  # each PNG carries its recipe
     request = pipe.calls[-1]
     assert (request.negative_prompt, request.num_inference_steps, request.guidance_scale) == ("blurry", 3, 4.5)
-    assert request.scheduler == "euler_a" and request.num_images == 2
+    assert request.scheduler == "euler_a" and request.num_images == 2 and request.eta == 0.3
     client.images.generate(prompt="a red circle", size="auto", extra_body={"scheduler": "DPM++ 2M Karras"})
     assert pipe.calls[-1].scheduler == "dpm++2m_karras" and pipe.calls[-1].width == 64  # the model's own size
 
@@ -110,6 +111,7 @@ def test_edits_inpaint_with_a_mask_and_redraw_without_one(fake):
         (dict(response_format="jpeg"), "response_format must be one of b64_json, url"),
         (dict(extra_body={"num_inference_steps": 0}), "steps must be a whole number from 1 to 50, got 0"),
         (dict(extra_body={"scheduler": "heun"}), "unknown sampler 'heun'"),
+        (dict(extra_body={"eta": 2}), "eta must be a number from 0 (deterministic) to 1"),
     ],
 )
 def test_bad_values_are_a_bad_request_with_a_message_and_the_next_call_is_served(fake, call, message):

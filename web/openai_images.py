@@ -5,7 +5,7 @@ Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
 - `size` is "WIDTHxHEIGHT" (a size the server does not offer is refused with the list), or "auto" / none for
   the model's own; `n` pictures get seeds seed, seed+1, ...
 - Our request's own names ride along as extra body fields: `negative_prompt`, `seed`, `num_inference_steps`,
-  `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, and for edits
+  `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, `eta`, and for edits
   `strength`. With the `openai` client: `extra_body={"seed": 5}`.
 - `response_format`: "b64_json" (the default, as gpt-image models answer) or "url": a link to the PNG on this
   server, kept for `LINK_TTL_S` (at most `LINK_MAX_BYTES` of them; the oldest go first).
@@ -55,6 +55,7 @@ class GenerationsBody(BaseModel):
     guidance_scale: float | None = None
     scheduler: str | None = None
     clip_skip: int | None = None
+    eta: float | None = None
 
 
 class EditsBody(GenerationsBody):
@@ -126,6 +127,7 @@ async def draw(
         height=height,
         num_images=1 if body.n is None else body.n,
         clip_skip=body.clip_skip or 0,
+        eta=body.eta,
         lora_scales=loras,
         **(pictures or {}),
     )
