@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench import CONFIGS  # noqa: E402  the shapes bench.py writes
 
 SD2_UNET = dict(  # stabilityai/sd-turbo's unet/config.json (SD 2.1-base)
     block_out_channels=(320, 640, 1280, 1280),
@@ -40,17 +43,8 @@ SD2_UNET = dict(  # stabilityai/sd-turbo's unet/config.json (SD 2.1-base)
 OPENCLIP_H = dict(  # its text_encoder/config.json (OpenCLIP ViT-H/14's text tower)
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16, hidden_act="gelu"
 )
-SD15_UNET = dict(
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    layers_per_block=2,
-    sample_size=64,
-)
-CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
-KL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+SD15 = CONFIGS["sd15"]  # SD 1.5's UNet, CLIP-L and KL VAE, as bench.py writes them
+SD15_UNET, CLIP_L, KL_VAE = SD15["unet"], SD15["clip"], SD15["vae"]
 MODELS = {
     # Trailing timesteps and no guidance, as SD-Turbo's folder ships (our loader reads it as Turbo).
     "sd-turbo": dict(unet=SD2_UNET, clip=OPENCLIP_H, vae=KL_VAE, scheduler="euler", guidance=0.0, size=512),

@@ -206,7 +206,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             random_seed: draw a new seed for this request; the seed used is returned.
             steps: denoising steps; more is slower and usually finer.
             guidance_scale: how closely to follow the prompt (classifier-free guidance); 1 or less turns it off.
-            scheduler: the sampler: pndm, ddim, euler, euler_a, dpm++2m or dpm++2m_karras.
+            scheduler: the sampler: pndm, ddim, euler, euler_a, dpm++2m, dpm++2m_karras, lcm or tcd.
             size: WIDTHxHEIGHT in pixels, one of the sizes the server offers.
             images_per_device: pictures per device; the server has one or more devices.
             control_image: a picture that steers the drawing (servers started with --controlnet only).
