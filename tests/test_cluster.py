@@ -442,6 +442,29 @@ def test_16_users_are_served_by_both_replicas_with_the_single_machine_pictures(l
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("door", ["a1111", "openai"])
+def test_the_rest_apis_on_the_cluster_draw_the_single_machine_pictures(local_cluster, door):
+    import base64
+    import io
+
+    import requests
+
+    seed = user_seeds()[0]
+    if door == "a1111":
+        body = {"prompt": PROMPTS[0], "seed": seed, "steps": STEPS, "width": SIZE, "height": SIZE}
+        answer = requests.post(local_cluster.url + "sdapi/v1/txt2img", json=body, timeout=DEADLINE_S)
+        encoded = answer.json()["images"][0] if answer.ok else None
+    else:
+        body = {"prompt": PROMPTS[0], "seed": seed, "num_inference_steps": STEPS, "size": f"{SIZE}x{SIZE}", "n": 1}
+        answer = requests.post(local_cluster.url + "v1/images/generations", json=body, timeout=DEADLINE_S)
+        encoded = answer.json()["data"][0]["b64_json"] if answer.ok else None
+    assert answer.status_code == 200, answer.text
+    with Image.open(io.BytesIO(base64.b64decode(encoded))) as image:
+        drawn = np.asarray(image.convert("RGB"), np.int16)
+    assert np.abs(drawn - local_cluster.expected[seed]).max() <= 1  # the same picture, up to rounding to 8 bits
+
+
+@pytest.mark.slow
 def test_a_request_for_a_model_the_cluster_does_not_serve_is_refused(local_cluster):
     remote = RemoteEngine.connect(local_cluster.handle, model="stabilityai/sdxl-turbo")
     with pytest.raises(engine.InvalidRequest, match="'stabilityai/sdxl-turbo' is not served by this cluster"):
