@@ -92,6 +92,9 @@ class Family:
     # "embedding": the denoiser reads the scale (`guidance_scale_embedding(scale - 1)` as its `timestep_cond`) and
     # no unconditional row is ever computed (LCM). See `guided_by_embedding`.
     guidance: str = "batch"
+    # The component the denoising steps call and whose text projections `admit` holds: the UNet here, a
+    # transformer in the MMDiT families. Its config names its `in_channels`; it has `project_context`.
+    denoiser: str = "unet"
     # (configs by component, where) -> None, or ConfigError naming what disagrees
     check_layout: Callable[[Mapping[str, Any], str], None] = field(default=lambda configs, where: None, repr=False)
     # (model_index.json, vae_scale_factor) -> the folder's (plan, negative_prompt) -> per-image inputs besides

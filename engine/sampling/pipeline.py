@@ -175,18 +175,20 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     if plan.guidance:  # guidance off: the unconditional half is never computed
         uncond = encode_prompts(models, new.neg_ids, new.neg_weights, new.extra, plan, True)
         cond = jax.tree.map(_pair, uncond, cond)
-    unet_config = models.unet.config
-    if FAMILIES[plan.family].guided_by_embedding(unet_config):  # the scale is an input: traced, per slot
+    family = FAMILIES[plan.family]
+    denoiser = getattr(models, family.denoiser)
+    unet_config = denoiser.config
+    if family.guided_by_embedding(unet_config):  # the scale is an input: traced, per slot
         w = guidance_scale_embedding(new.guidance_scale - 1.0, unet_config.time_cond_proj_dim)
         cond = dataclasses.replace(cond, timestep_cond=_pair(w, w) if plan.guidance else w)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
     x, kept = noise * new.tables.init_noise_sigma[:, None, None, None], None
     if plan.mode != "txt2img":
-        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, models.unet.config.in_channels)
+        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, unet_config.in_channels)
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
-    kv = models.unet.project_context(cond.context)  # once per request, not once per step
+    kv = denoiser.project_context(cond.context)  # once per request, not once per step
     control_kv = models.controlnet.project_context(cond.context) if plan.control else None
     cond = dataclasses.replace(cond, context=None)  # no step reads it again: the slots hold it projected
     return Slots(
@@ -234,9 +236,10 @@ def advance(
     models: Models = nnx.merge(graphdef, params)
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
-    channels = models.unet.config.in_channels
+    family = FAMILIES[plan.family]
+    channels = getattr(models, family.denoiser).config.in_channels
     keys = image_keys(slots.seeds)
-    denoise = FAMILIES[plan.family].denoise
+    denoise = family.denoise
 
     def body(_, carry):
         x, state, i = carry
