@@ -7,7 +7,6 @@ is a second, unconditional batch row per image.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import jax
 from flax import nnx
 
 from ..errors import ConfigError
-from ..loading.vae import VAE_CLASSES
+from ..loading.vae import VAE_CLASSES, read_vae_config
 from ..models.clip import CLIPTextModel
 from ..models.config import AutoencoderTinyConfig, CLIPTextConfig, UNetConfig, VAEConfig
 from ..models.unet import UNet2DConditionModel
@@ -29,17 +28,12 @@ class AnyVAEConfig:
 
     @staticmethod
     def from_json(path: str | Path) -> VAEConfig | AutoencoderTinyConfig:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"cannot read {path}: {err}") from err
-        class_name = raw.get("_class_name", "AutoencoderKL") if isinstance(raw, dict) else None
-        if class_name not in VAE_CLASSES:
+        class_name, config = read_vae_config(Path(path), default_class="AutoencoderKL")
+        if config is None:
             raise ConfigError(
                 f"{path}: a VAE of class {class_name!r} is not supported (one of {', '.join(VAE_CLASSES)})"
             )
-        return VAE_CLASSES[class_name][0].from_dict(raw, where=str(path))
+        return config
 
 
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:

@@ -43,17 +43,27 @@ class ModelFolder:
     def weight_files(self, name: str, variant: str | None = None) -> list[Path]:
         """The safetensors files of one component, preferring `variant` (e.g. "fp16") when present."""
         folder = self.component(name)
-        by_variant: dict[str | None, list[Path]] = {}
-        for file in sorted(folder.iterdir()):
-            match = _WEIGHT_NAME.match(file.name)
-            if match and not file.name.endswith(".index.json"):
-                by_variant.setdefault(match["variant"], []).append(file)
-        files = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), None)
+        files = _weight_files_in(folder, variant)
         if not files:
             bins = [f.name for f in folder.glob("*.bin")]
             hint = " (only PyTorch .bin files, which we do not read: convert them to safetensors)" if bins else ""
             raise SourceError(f"{self.name}: no .safetensors weights in {name}/{hint}")
         return files
+
+
+def _prefer(by_variant: dict[str | None, list], variant: str | None) -> list:
+    """The files of `variant` when there are some, else the plain ones, else some variant's (fp16 only)."""
+    return by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
+
+
+def _weight_files_in(folder: Path, variant: str | None, stem: str | None = None) -> list[Path]:
+    """A folder's safetensors files (named `stem`*, when given), one variant's, preferring `variant`."""
+    by_variant: dict[str | None, list[Path]] = {}
+    for file in sorted(folder.iterdir()):
+        match = _WEIGHT_NAME.match(file.name)
+        if match and (stem is None or match[1] == stem) and not file.name.endswith(".index.json"):
+            by_variant.setdefault(match["variant"], []).append(file)
+    return _prefer(by_variant, variant)
 
 
 def select_hub_files(files: list[str], variant: str | None = None, safety_checker: bool = False) -> list[str]:
@@ -73,8 +83,7 @@ def select_hub_files(files: list[str], variant: str | None = None, safety_checke
             match = _WEIGHT_NAME.match(tail) if head == component else None
             if match:
                 by_variant.setdefault(match["variant"], []).append(f)
-        chosen = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
-        wanted += chosen
+        wanted += _prefer(by_variant, variant)
     return sorted(set(wanted))
 
 
@@ -103,12 +112,7 @@ def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = Fa
 
 def component_weight_files(folder: Path, variant: str | None, what: str) -> list[Path]:
     """One model's `diffusion_pytorch_model*.safetensors` in `folder` (a ControlNet, a VAE), preferring `variant`."""
-    by_variant: dict[str | None, list[Path]] = {}
-    for file in sorted(folder.iterdir()):
-        match = _WEIGHT_NAME.match(file.name)
-        if match and match[1] == "diffusion_pytorch_model" and not file.name.endswith(".index.json"):
-            by_variant.setdefault(match["variant"], []).append(file)
-    files = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), None)
+    files = _weight_files_in(folder, variant, stem="diffusion_pytorch_model")
     if not files:
         raise SourceError(f"{folder}: no diffusion_pytorch_model*.safetensors {what} weights")
     return files
@@ -136,7 +140,7 @@ def _fetch_component(repo_id: str, variant: str | None, what: str, subfolder: st
         match = _WEIGHT_NAME.match(f[len(prefix) :]) if f.startswith(prefix) else None
         if match and match[1] == "diffusion_pytorch_model":
             by_variant.setdefault(match["variant"], []).append(f)
-    chosen = by_variant.get(variant) or by_variant.get(None) or next(iter(by_variant.values()), [])
+    chosen = _prefer(by_variant, variant)
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=[f"{prefix}config.json", *chosen]))
     except (OSError, HfHubHTTPError) as err:

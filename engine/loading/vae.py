@@ -39,23 +39,32 @@ class LoadedVAE:
     params: nnx.State  # host numpy arrays in the run dtype (f32 where fp16 would overflow: `force_upcast`)
 
 
+def read_vae_config(
+    path: Path, default_class: str | None = None
+) -> tuple[object, VAEConfig | AutoencoderTinyConfig | None]:
+    """A VAE's config.json read as the class its `_class_name` names (`default_class` where it names none):
+    (that name, the config), or (that name, None) when it is not a class we have."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from err
+    class_name = raw.get("_class_name", default_class) if isinstance(raw, dict) else None
+    if not isinstance(class_name, str) or class_name not in VAE_CLASSES:
+        return class_name, None
+    return class_name, VAE_CLASSES[class_name][0].from_dict(raw, where=str(path))
+
+
 def load_vae(source: str | Path, dtype: str = "float32") -> LoadedVAE:
     """A diffusers-format VAE folder (config.json + diffusion_pytorch_model*.safetensors), a pipeline folder's
     `vae/` sub-folder, or a Hub id (either layout); every tensor must fit (missing ones are named)."""
     variant = "fp16" if dtype in ("float16", "bfloat16") else None
     root = component_folder(source, "VAE", "vae", variant)
-    path = root / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot read {path}: {err}") from err
-    class_name = raw.get("_class_name") if isinstance(raw, dict) else None
-    if not isinstance(class_name, str) or class_name not in VAE_CLASSES:
+    class_name, cfg = read_vae_config(root / "config.json")
+    if cfg is None:
         raise SourceError(
             f"{source}: a VAE of class {class_name!r} is not supported (supported: {', '.join(VAE_CLASSES)})"
         )
-    config_class, model_class = VAE_CLASSES[class_name]
-    cfg = config_class.from_dict(raw, where=str(path))
+    model_class = VAE_CLASSES[class_name][1]
     # As the model's own VAE: one that overflows in fp16 runs in f32 (diffusers upcasts it too).
     run_dtype = "float32" if dtype == "float16" and cfg.force_upcast else dtype
     tensors = read_safetensors(component_weight_files(root, variant, "VAE"))
