@@ -21,14 +21,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench import CONFIGS  # noqa: E402  the shapes bench.py writes
+from bench import CONFIGS, best_time  # noqa: E402  the shapes bench.py writes, its timer
 
 SD2_UNET = dict(  # stabilityai/sd-turbo's unet/config.json (SD 2.1-base)
     block_out_channels=(320, 640, 1280, 1280),
@@ -148,12 +147,7 @@ def time_diffusers(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: lis
 
 def best(call, reps: int = 2) -> float:
     call()  # warm-up: compiles (ours) or fills caches (PyTorch)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_time(call, reps)
 
 
 SYSTEMS = ("ours-taesd", "ours-kl", "diffusers-taesd", "diffusers-bf16-taesd", "diffusers-kl")
