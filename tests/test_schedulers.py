@@ -71,6 +71,7 @@ CLASSES = {
     "lcm": diffusers.LCMScheduler,
     "tcd": diffusers.TCDScheduler,
 }
+DISCRETE = tuple(kind for kind in S.SCHEDULERS if not S.is_flow(kind))  # flow kinds: tests/test_flow_match.py
 # diffusers gives NaN here: its sigma_down = sqrt(sigma_to^2 - sigma_up^2) is sqrt of a rounded-negative number.
 DIFFUSERS_NAN = {("euler_a", "karras_cosine", 4)}
 DPM = dict(algorithm_type="dpmsolver++", solver_order=2)
@@ -164,7 +165,7 @@ def assert_matches_diffusers(kind: str, raw: dict, n: int, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("n", STEP_COUNTS)
 @pytest.mark.parametrize("config_name", CONFIGS)
-@pytest.mark.parametrize("kind", S.SCHEDULERS)
+@pytest.mark.parametrize("kind", DISCRETE)
 def test_matches_diffusers_step_by_step(kind, config_name, n, tmp_path, monkeypatch):
     nan = (kind, config_name, n) in DIFFUSERS_NAN
     assert_matches_diffusers(kind, CONFIGS[config_name], n, tmp_path, monkeypatch, diffusers_nan=nan)
@@ -199,7 +200,7 @@ def test_one_compilation_serves_every_step_count():
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)
-@pytest.mark.parametrize("kind", S.SCHEDULERS)
+@pytest.mark.parametrize("kind", DISCRETE)
 def test_settings_are_those_of_diffusers_from_config(kind, config_name, tmp_path):
     want = reference_scheduler(CONFIGS[config_name], kind, tmp_path).config
     got = S.settings(S.SchedulerConfig.from_dict(CONFIGS[config_name]), kind)

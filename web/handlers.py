@@ -22,7 +22,7 @@ from typing import Any
 from PIL import Image
 
 import engine
-from engine.compat.pnginfo import GenerationParameters, png_info, save_png
+from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info, save_png
 
 from .requests import as_bool, parse_request, size_choices
 
@@ -187,20 +187,24 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
     fields = params.request_fields()
     size = f"{params.width}x{params.height}" if params.width and params.height else None
     offered = size_choices(pipe)
+    scheduler = params.scheduler
+    if scheduler is not None and scheduler not in pipe.limits.schedulers:  # "Euler" on a flow model: its own Euler
+        same = [kind for kind in pipe.limits.schedulers if SAMPLER_NAMES.get(kind) == SAMPLER_NAMES[scheduler]]
+        scheduler = same[0] if same else None
     values = {
         "prompt": params.prompt,
         "negative_prompt": params.negative_prompt,
         "seed": params.seed,
         "steps": fields.get("num_inference_steps"),
         "guidance_scale": params.guidance_scale,
-        "scheduler": params.scheduler,
+        "scheduler": scheduler,
         "size": size if size and (offered is None or size in offered) else None,
         "images_per_device": None,
     }
     notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
     if size and values["size"] is None:
         notes.append(f"Its size {size} is not offered here; the size is unchanged.")
-    if params.scheduler is None:
+    if scheduler is None:
         notes.append("Its sampler is not one of ours; the scheduler is unchanged.")
     return [*(values[name] for name in FORM_FIELDS), False, " ".join(notes)]
 

@@ -23,7 +23,6 @@ KINDS = {
     kind: (name.removesuffix(KARRAS_SUFFIX), "karras" if name.endswith(KARRAS_SUFFIX) else "uniform")
     for kind, name in SAMPLER_NAMES.items()
 }
-_KIND_OF = {pair: kind for kind, pair in KINDS.items()}
 # k-diffusion's and A1111's older aliases of each sampler, as /sdapi/v1/samplers lists them.
 SAMPLER_ALIASES = {
     "Euler a": ("k_euler_a", "k_euler_ancestral"),
@@ -77,6 +76,12 @@ def _sampler(pipe: engine.EngineFace, name: str) -> tuple[str, str | None]:
     raise _refuse(f"unknown sampler {name!r}; this server offers: {', '.join(samplers(pipe))}")
 
 
+def _kind_of(pipe: engine.EngineFace, pair: tuple[str, str]) -> str | None:
+    """The model's kind for A1111's (sampler, schedule): "Euler" is `euler` for a noise-predicting model and
+    `flow_euler` for a flow model, which take only their own side's kinds."""
+    return next((kind for kind in pipe.limits.schedulers if KINDS.get(kind) == pair), None)
+
+
 def a1111_scheduler(pipe: engine.EngineFace, sampler_name: Any, scheduler: Any = None) -> str:
     """Our scheduler kind for A1111's `sampler_name` and `scheduler`; no sampler: the model's own default."""
     if not isinstance(sampler_name, str) or not sampler_name.strip():
@@ -91,10 +96,10 @@ def a1111_scheduler(pipe: engine.EngineFace, sampler_name: Any, scheduler: Any =
         schedule = implied
     elif schedule == "automatic":
         schedule = _AUTOMATIC.get(sampler, "uniform")
-        if (sampler, schedule) not in _KIND_OF or _KIND_OF[(sampler, schedule)] not in pipe.limits.schedulers:
+        if _kind_of(pipe, (sampler, schedule)) is None:
             schedule = "uniform"
-    kind = _KIND_OF.get((sampler, schedule))
-    if kind is None or kind not in pipe.limits.schedulers:
+    kind = _kind_of(pipe, (sampler, schedule))
+    if kind is None:
         label = SCHEDULES[schedule][0]
         raise _refuse(f"sampler {sampler!r} has no {label} schedule here; use scheduler Automatic or Uniform")
     return kind

@@ -40,6 +40,7 @@ SAMPLER_NAMES = {
     "dpm++2m_karras": "DPM++ 2M Karras",
     "lcm": "LCM",  # A1111's name for it
     "tcd": "TCD",  # A1111 has none; Forge and SD.Next call it this
+    "flow_euler": "Euler",  # A1111 and Forge call Euler on a flow model (SD3, FLUX.1) Euler too
 }
 # A1111 1.9 split the sigma schedule out of the sampler name ("DPM++ 2M Karras" became "DPM++ 2M" with
 # "Schedule type: Karras"), and its "Automatic" schedule is Karras for DPM++ 2M and the model's own
@@ -47,7 +48,9 @@ SAMPLER_NAMES = {
 # plain "DPM++ 2M" was uniform.
 _AUTOMATIC = {"DPM++ 2M": "Karras"}
 _SCHEDULE_SUFFIX = {"Karras": " Karras", "Uniform": ""}
-_KINDS = {name: kind for kind, name in SAMPLER_NAMES.items()}
+_KINDS: dict[str, str] = {}  # a name read back is the first kind of that name ("Euler": euler); a flow model's door
+for _kind, _name in SAMPLER_NAMES.items():  # takes its own Euler for it (web/names.py)
+    _KINDS.setdefault(_name, _kind)
 
 # A1111's `re_param`: a key starts with a word character; a value is a JSON string or runs to the next comma.
 _PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')

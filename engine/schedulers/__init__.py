@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import ddim, dpm_solver, euler, euler_ancestral, lcm, pndm, tcd
+from . import ddim, dpm_solver, euler, euler_ancestral, flow_match_euler, lcm, pndm, tcd
 from .common import Array, SchedulerConfig, State, Tables, start_step, validate
 
 __all__ = [
@@ -47,7 +47,9 @@ __all__ = [
     "alphas_cumprod",
     "default_kind",
     "get",
+    "compatible",
     "init_state",
+    "is_flow",
     "scale_model_input",
     "settings",
     "start_step",
@@ -66,6 +68,7 @@ ALGORITHMS: dict[str, ModuleType] = {
     "dpm++2m_karras": dpm_solver,  # the same on Karras sigmas
     "lcm": lcm,  # LCMScheduler
     "tcd": tcd,  # TCDScheduler
+    "flow_euler": flow_match_euler,  # FlowMatchEulerDiscreteScheduler: rectified-flow models (SD3, FLUX.1)
 }
 SCHEDULERS: tuple[str, ...] = tuple(ALGORITHMS)
 
@@ -75,6 +78,19 @@ def get(kind: str) -> ModuleType:
     if kind not in ALGORITHMS:
         raise ValueError(f"unknown scheduler {kind!r}; choose one of {', '.join(SCHEDULERS)}")
     return ALGORITHMS[kind]
+
+
+def is_flow(kind: str) -> bool:
+    """Whether `kind` samples a rectified-flow model (velocity prediction on sigma in [0, 1]); the other kinds
+    sample noise-predicting models trained on a_t. A model takes the kinds of its own side only."""
+    return bool(getattr(get(kind), "FLOW", False))
+
+
+def compatible(config: SchedulerConfig) -> tuple[str, ...]:
+    """The kinds a model saved with `config` can sample with: the flow kinds for a flow model, the others else."""
+    own = default_kind(config)
+    flow = own is not None and is_flow(own)
+    return tuple(kind for kind in SCHEDULERS if is_flow(kind) == flow)
 
 
 def stochastic(kind: str) -> bool:
@@ -98,7 +114,7 @@ def settings(config: SchedulerConfig, kind: str) -> dict[str, Any]:
     module = get(kind)
     s = {k: default if getattr(config, k) is None else getattr(config, k) for k, default in module.DEFAULTS.items()}
     s.update(module.FORCED.get(kind, {}))
-    validate(kind, s, module.PREDICTIONS, module.ONLY)
+    validate(kind, s, module.PREDICTIONS, module.ONLY, getattr(module, "CHOICES", None))
     return s
 
 
@@ -115,6 +131,8 @@ def tables(
     strength: float | None = None,
     inpaint: bool = False,
     eta: float = 0.0,
+    image_tokens: int | None = None,
+    uniform_sigmas: bool = False,
 ) -> Tables:
     """Host-side schedule for `num_inference_steps`, padded to the static `max_steps`.
 
@@ -123,6 +141,8 @@ def tables(
     pipelines do; inpainting at strength 1 starts from pure noise, as `StableDiffusionInpaintPipeline` does.
     `eta` in [0, 1] is the stochasticity diffusers' pipelines pass to `step` (DDIM's eta, TCD's gamma); kinds without
     one ignore it, as the pipelines do. It changes table values only, never the compiled program.
+    The flow kinds read two more: `image_tokens`, the picture's token count a dynamically shifted schedule
+    shifts by, and `uniform_sigmas`, the sigmas linspace(1, 1/n, n) that FluxPipeline hands its scheduler.
     """
     module, s = get(kind), settings(config, kind)
     n = int(num_inference_steps)
@@ -132,7 +152,8 @@ def tables(
         raise ValueError(f"num_inference_steps {n} exceeds num_train_timesteps {s['num_train_timesteps']}")
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"eta must be between 0 and 1, got {eta}")
-    sched = module.schedule(s, n, strength, float(eta))
+    flow = dict(image_tokens=image_tokens, uniform=uniform_sigmas) if getattr(module, "FLOW", False) else {}
+    sched = module.schedule(s, n, strength, float(eta), **flow)
     signal, noise = sched.signal, sched.noise
     init_noise_sigma, init_signal = sched.init_noise_sigma, 0.0
     if strength is not None and not (inpaint and strength == 1.0):

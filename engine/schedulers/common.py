@@ -24,9 +24,10 @@ Array = jax.Array
 # Keys of other diffusers schedulers (DDPM, LMS, Heun, UniPC, DEIS, ...) and options that only matter together
 # with an unsupported one: a folder may carry them, none of our kinds reads them.
 _IGNORED_KEYS = frozenset(
-    "disable_corrector dynamic_thresholding_ratio flow_shift predict_x0 rho sample_max_value shift_terminal"
-    " sigma_data sigma_schedule solver_p time_shift_type".split()
+    "disable_corrector dynamic_thresholding_ratio flow_shift predict_x0 rho sample_max_value"
+    " sigma_data sigma_schedule solver_p".split()
 )
+ANY = object()  # in an algorithm's ONLY: an option the common table refuses that this algorithm implements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,15 @@ class SchedulerConfig(_FromJson):
     variance_type: str | None = None
     original_inference_steps: int | None = None  # LCM/TCD: the distillation's step grid (T // it apart)
     timestep_scaling: float | None = None  # LCM: the boundary-condition scalings see t * timestep_scaling
+    shift: float | None = None  # flow matching: the static shift of the sigmas towards noise (SD3: 3.0)
+    base_shift: float | None = None  # flow matching's dynamic shift: mu at base_image_seq_len tokens ...
+    max_shift: float | None = None  # ... and at max_image_seq_len tokens, linear in between
+    base_image_seq_len: int | None = None
+    max_image_seq_len: int | None = None
+    shift_terminal: float | None = None  # flow matching: the schedule stretched to end at this sigma
+    time_shift_type: str | None = None  # flow matching's dynamic shift: exponential | linear
+    invert_sigmas: bool | None = None
+    stochastic_sampling: bool | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "scheduler config") -> SchedulerConfig:
@@ -112,15 +122,18 @@ _CHOICES = dict(
 )
 
 
-def validate(kind: str, s: dict[str, Any], predictions: tuple[str, ...], only: dict[str, Any]) -> None:
-    """Refuses options we do not implement: `only` adds the algorithm's own single-valued options."""
+def validate(
+    kind: str, s: dict[str, Any], predictions: tuple[str, ...], only: dict[str, Any], own_choices: dict | None = None
+) -> None:
+    """Refuses options we do not implement: `only` adds the algorithm's own single-valued options (`ANY`: one the
+    algorithm implements whatever its value), `own_choices` its own multiple-choice ones."""
     for name, value in {**_UNSUPPORTED, **only}.items():
-        if name in s and s[name] != value:
+        if value is not ANY and name in s and s[name] != value:
             raise ConfigError(f"scheduler {kind!r}: {name}={s[name]!r} is not supported (only {value!r})")
-    for name, choices in [*_CHOICES.items(), ("prediction_type", predictions)]:
+    for name, choices in [*_CHOICES.items(), *(own_choices or {}).items(), ("prediction_type", predictions)]:
         if name in s and s[name] not in choices:
             raise ConfigError(f"scheduler {kind!r}: {name}={s[name]!r} is not supported (one of {choices})")
-    if s["trained_betas"] is not None and len(s["trained_betas"]) != s["num_train_timesteps"]:
+    if s.get("trained_betas") is not None and len(s["trained_betas"]) != s["num_train_timesteps"]:
         raise ConfigError("trained_betas must have num_train_timesteps entries")
 
 

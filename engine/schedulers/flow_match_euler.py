@@ -1,0 +1,129 @@
+"""Flow matching: diffusers' FlowMatchEulerDiscreteScheduler, step for step (SD3, SD 3.5, FLUX.1).
+
+A rectified-flow model (Esser et al. 2024, "Scaling Rectified Flow Transformers") is trained on the straight
+path x_sigma = (1 - sigma) x0 + sigma noise, sigma in [0, 1], and predicts its velocity v = noise - x0. Sampling
+is Euler's method on dx/dsigma = v from sigma = 1 down to 0:
+
+    x' = x + (sigma' - sigma) v
+
+The model is fed x itself at timestep sigma * T (T = num_train_timesteps = 1000). The sigmas are spaced
+evenly and then shifted towards the noisy end, `shift * s / (1 + (shift - 1) s)` (SD3: shift 3), or, with
+`use_dynamic_shifting`, by an amount that grows with the picture's token count (`mu`, FLUX.1):
+exp(mu) / (exp(mu) + (1 / s - 1)). As diffusers, the static shift is applied twice over: once to the training
+sigmas whose ends the schedule spans, once to the spaced schedule.
+
+Image-to-image starts at the step `strength` selects, as diffusers' SD3 and FLUX img2img pipelines count it
+(`int(n - n * strength)`, not the `n - int(n * strength)` of the SD pipelines), from
+`scale_noise(image, noise, sigma) = (1 - sigma) image + sigma noise`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import common
+from .common import Array, Schedule, State, Tables
+
+CLASS_NAME = "FlowMatchEulerDiscreteScheduler"
+FLOW = True  # for rectified-flow models only; the other kinds are for noise-predicting (DDPM-trained) ones
+DEFAULTS: dict[str, Any] = {
+    **dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.5, max_shift=1.15),
+    **dict(base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False, shift_terminal=None),
+    **dict(use_karras_sigmas=False, use_exponential_sigmas=False, use_beta_sigmas=False),
+    **dict(time_shift_type="exponential", stochastic_sampling=False, prediction_type="flow"),
+}
+PREDICTIONS = ("flow",)
+ONLY: dict[str, Any] = {
+    **dict(use_dynamic_shifting=common.ANY, invert_sigmas=False, stochastic_sampling=False),
+    **dict(use_karras_sigmas=False, use_exponential_sigmas=False, use_beta_sigmas=False),
+}
+CHOICES = {"time_shift_type": ("exponential", "linear")}
+FORCED: dict[str, dict[str, Any]] = {}
+STOCHASTIC = False
+
+
+def alphas_cumprod(s: dict[str, Any]) -> np.ndarray:
+    raise ValueError("a flow-matching schedule has no alphas_cumprod: its models are trained on sigma directly")
+
+
+def calculate_shift(s: dict[str, Any], image_tokens: int) -> float:
+    """diffusers' `calculate_shift`: mu, linear in the picture's token count between the config's two anchors."""
+    m = (s["max_shift"] - s["base_shift"]) / (s["max_image_seq_len"] - s["base_image_seq_len"])
+    return image_tokens * m + (s["base_shift"] - m * s["base_image_seq_len"])
+
+
+def _time_shift(s: dict[str, Any], mu: float, sigmas: np.ndarray) -> np.ndarray:
+    if s["time_shift_type"] == "exponential":
+        return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+    return mu / (mu + (1 / sigmas - 1))
+
+
+def sigmas_for(s: dict[str, Any], n: int, image_tokens: int | None, uniform: bool) -> np.ndarray:
+    """The n shifted sigmas of `set_timesteps` (float32, descending), without the terminal 0.
+
+    `uniform`: the sigmas FluxPipeline hands `set_timesteps`, linspace(1, 1/n, n); otherwise the scheduler's
+    own, evenly spaced between its training schedule's first and last sigma.
+    """
+    T, shift = s["num_train_timesteps"], s["shift"]
+    if uniform:
+        sigmas = np.linspace(1.0, 1 / n, n).astype(np.float32)
+    else:
+        train = np.linspace(1, T, T, dtype=np.float32)[::-1] / T  # float32, as the torch tensor
+        if not s["use_dynamic_shifting"]:
+            train = shift * train / (1 + (shift - 1) * train)
+        sigma_max, sigma_min = float(train[0]), float(train[-1])
+        sigmas = (np.linspace(sigma_max * T, sigma_min * T, n) / T).astype(np.float64)
+    if s["use_dynamic_shifting"]:
+        if image_tokens is None:
+            raise ValueError("a dynamically shifted flow schedule needs the picture's token count")
+        sigmas = _time_shift(s, calculate_shift(s, image_tokens), sigmas)
+    else:
+        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    if s["shift_terminal"]:
+        one_minus = 1 - sigmas
+        if one_minus[-1] == 0:  # diffusers divides by zero here and draws NaN
+            raise ValueError(f"this model's schedule (shift_terminal) needs at least 2 steps, not {n}")
+        sigmas = 1 - one_minus / (one_minus[-1] / (1 - s["shift_terminal"]))
+    return np.asarray(sigmas, np.float32)
+
+
+def start_step(n: int, strength: float | None) -> int:
+    """Where the SD3 and FLUX image-to-image pipelines start an n-step schedule (`get_timesteps`)."""
+    if strength is None:
+        return 0
+    start = int(max(n - min(n * strength, n), 0))
+    if start >= n:
+        raise ValueError(f"strength {strength} leaves no step of {n}; raise the strength or the steps")
+    return start
+
+
+def schedule(
+    s: dict[str, Any], n: int, strength: float | None, eta: float, image_tokens: int | None = None, uniform=False
+) -> Schedule:
+    sigmas = sigmas_for(s, n, image_tokens, uniform)
+    timesteps = (sigmas * np.float32(s["num_train_timesteps"])).astype(np.float32)
+    sigmas = np.concatenate([sigmas, np.zeros(1, np.float32)])
+    start = start_step(n, strength)
+    noise = sigmas[start:n]
+    return Schedule(
+        timesteps=timesteps[start:],
+        signal=(1 - noise).astype(np.float32),
+        noise=noise,
+        coefficients={"sigmas": sigmas[start:]},
+    )
+
+
+def init_state(latents: Array) -> State:
+    return State()
+
+
+def scale_model_input(t: Tables, i: Array, sample: Array) -> Array:
+    return sample  # the model reads x_sigma itself
+
+
+def step(t: Tables, state: State, i: Array, model_output: Array, x: Array, noise: Array | None) -> tuple[Array, State]:
+    sigma, sigma_next = common.at(t, "sigmas", i), common.at(t, "sigmas", i + 1)
+    return x + (sigma_next - sigma) * model_output, state
