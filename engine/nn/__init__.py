@@ -2,7 +2,9 @@
 
 `layers.py` holds the building blocks named after diffusers' modules (`ResnetBlock2D`, `Attention`,
 `Transformer2DModel`'s pieces) and `attention.py` the backend's best attention path (query blocks on a CPU,
-cuDNN's fused attention on a GPU, Pallas flash attention on a TPU). NHWC throughout.
+cuDNN's fused attention on a GPU, Pallas flash attention on a TPU); `dit.py` the pieces of the diffusion
+transformers (adaLN modulation, q/k RMS norm, the tanh-GELU feed-forward, timestep + pooled-text conditioning).
+NHWC throughout.
 
 May import: jax, flax, numpy. Nothing of the engine: this is the bottom layer.
 """
