@@ -45,6 +45,10 @@ LEGACY_RENAMES: tuple[tuple[str, str], ...] = (
     (r"(attentions\.\d+)\.value\.", r"\1.to_v."),
     (r"(attentions\.\d+)\.proj_attn\.", r"\1.to_out.0."),
 )
+# Tensors that transformers ties to another (`_tied_weights_keys`), saved under either name or both: T5's
+# `encoder.embed_tokens` is its `shared` embedding. The alias alone stands for the kept name; beside it, it
+# must be equal (transformers 5 unties two that differ and reads the alias). A component's prefix may lead both.
+TIED = ((re.compile(r"^((?:.+\.)?)encoder\.embed_tokens\.weight$"), r"\1shared.weight"),)
 # Checkpoint entries that are buffers, not parameters.
 IGNORED = re.compile(r"(^|\.)position_ids$")
 # safetensors' dtype names -> numpy's (bf16 through ml_dtypes: numpy has none).
@@ -86,6 +90,12 @@ def rename_legacy(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         for pattern, repl in LEGACY_RENAMES:
             name = re.sub(pattern, repl, name)
         out[name] = value
+    for alias, kept in TIED:
+        for name in [n for n in out if alias.match(n)]:
+            value, kept_name = out.pop(name), alias.sub(kept, name)
+            if kept_name in out and not np.array_equal(out[kept_name], value):
+                raise WeightsError(f"{name} is tied to {kept_name}, but the checkpoint holds two different tensors")
+            out.setdefault(kept_name, value)
     return out
 
 
