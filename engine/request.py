@@ -95,7 +95,7 @@ class Limits:
     """The ranges the engine accepts, published for the page."""
 
     schedulers: tuple[str, ...]
-    side_multiple: int  # the VAE's downscale factor: latents are (height, width) / side_multiple
+    side_multiple: int  # sides are multiples of this: the VAE's downscale factor times the denoiser's patch side
     max_side: int
     max_clip_skip: int
     devices: int

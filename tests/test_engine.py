@@ -115,8 +115,8 @@ def test_a_folder_of_another_model_type_is_refused(tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL, folder)
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxPipeline")))
-    with pytest.raises(SourceError, match="'FluxPipeline' is not supported"):
+    (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="KandinskyV22Pipeline")))
+    with pytest.raises(SourceError, match="'KandinskyV22Pipeline' is not supported"):
         load_pipeline(folder)
 
 
@@ -172,6 +172,31 @@ def test_only_the_needed_hub_files_are_fetched():
         "v1-5-pruned.safetensors",
     ):
         assert skipped not in fp16 and skipped not in full
+
+
+# stabilityai/stable-diffusion-3.5-medium's and black-forest-labs/FLUX.1-schnell's files (abridged)
+SD3_FILES = [
+    *("model_index.json", "scheduler/scheduler_config.json", "transformer/config.json"),
+    *("transformer/diffusion_pytorch_model.safetensors", "vae/config.json", "vae/diffusion_pytorch_model.safetensors"),
+    *("text_encoder/config.json", "text_encoder/model.safetensors", "tokenizer/vocab.json"),
+    *("text_encoder_2/config.json", "text_encoder_2/model.safetensors", "tokenizer_2/vocab.json"),
+    *("text_encoder_3/config.json", "text_encoder_3/model-00001-of-00002.safetensors"),
+    *("text_encoder_3/model-00002-of-00002.safetensors", "text_encoder_3/model.safetensors.index.json"),
+    *("tokenizer_3/tokenizer.json", "tokenizer_3/spiece.model", "sd3.5_medium.safetensors"),
+]
+FLUX_FILES = [
+    *("model_index.json", "scheduler/scheduler_config.json", "transformer/config.json"),
+    *("transformer/diffusion_pytorch_model-00001-of-00003.safetensors", "vae/config.json"),
+    *("vae/diffusion_pytorch_model.safetensors", "text_encoder/config.json", "text_encoder/model.safetensors"),
+    *("text_encoder_2/config.json", "text_encoder_2/model-00001-of-00002.safetensors", "tokenizer_2/tokenizer.json"),
+    *("tokenizer/vocab.json", "flux1-schnell.safetensors", "ae.safetensors"),
+]
+
+
+@pytest.mark.parametrize("files", [SD3_FILES, FLUX_FILES], ids=["sd3", "flux"])
+def test_a_flow_model_fetches_its_transformer_t5_and_tokenizers_not_its_single_file(files):
+    fetched = set(select_hub_files(files))
+    assert fetched == {f for f in files if "/" in f or f == "model_index.json"}  # not the single-file checkpoints
 
 
 @pytest.mark.parametrize("variant", [None, "fp16"])

@@ -307,7 +307,7 @@ def test_plain_prompt_conditioning_is_todays_bit_for_bit(sd1, sdxl, family):
     ids, weights = stack([tokenize_prompt(loaded.tokenizers, t) for t in texts])
     np.testing.assert_array_equal(ids[:, 0], today)
     plan = sd_plan(family, batch=2)
-    extra = loaded.extra_inputs(plan, "blurry")
+    extra = loaded.extra_inputs(plan, texts[0], "blurry")
     want = jax.jit(ENCODERS[family], static_argnums=(3, 4))(models, today, extra, plan, True)
     got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -353,7 +353,7 @@ def test_sdxl_conditioning_matches_transformers(sdxl, prompt):
     negative = tokenize_prompt(loaded.tokenizers, "blurry photo")
     ids, weights = stack([tokenized, negative])
     plan = sd_plan("sdxl", batch=2)
-    extra = loaded.extra_inputs(plan, "blurry photo")
+    extra = loaded.extra_inputs(plan, "", "blurry photo")
     got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, False)
     encoders = [reference.text_encoder, reference.text_encoder_2]
     want, pooled = reference_context(encoders, [PENULTIMATE] * 2, tokenized, with_pooled=True)
@@ -370,7 +370,7 @@ def test_sdxl_no_negative_prompt_is_zeros_in_every_chunk(sdxl):
     prompt = tokenize_prompt(loaded.tokenizers, PROMPTS["long"])
     ids, weights = stack([prompt, tokenize_prompt(loaded.tokenizers, "")])
     plan = sd_plan("sdxl", batch=2)
-    extra = loaded.extra_inputs(plan, None)  # no negative prompt: SDXL's zero embeddings
+    extra = loaded.extra_inputs(plan, "", None)  # no negative prompt: SDXL's zero embeddings
     got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, extra, plan, True)
     assert np.all(np.asarray(got.context) == 0) and np.all(np.asarray(got.text_embeds) == 0)
 

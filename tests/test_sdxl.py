@@ -157,7 +157,7 @@ def test_text_encoding_matches_diffusers(sdxl):
         )
     models = nnx.merge(ours.model.graphdef, ours.params)
     plan = Plan(1, SIZE // 2, SIZE // 2, "euler", 4, True, "sdxl")
-    extra = ours.model.extra_inputs(plan, NEGATIVE)
+    extra = ours.model.extra_inputs(plan, PROMPT, NEGATIVE)
     np.testing.assert_array_equal(extra["time_ids"], [[SIZE, SIZE, 0, 0, SIZE, SIZE]])
     for text, ctx, pooled, negative in (
         (PROMPT, want, want_pooled, False),

@@ -143,7 +143,7 @@ def _generate(
     )
     family = FAMILIES[spec.family]
     # SDXL: uncropped micro-conditioning at the generated size, as the old pipeline; no negative ids: zeros.
-    extra = family.extra_inputs({}, spec.vae_scale_factor)(plan, None if neg_ids is None else "")
+    extra = family.extra_inputs({}, spec.vae_scale_factor, None)(plan, "", None if neg_ids is None else "")
     encode = family.encode
     halves = (
         encode(models, ids if neg_ids is None else neg_ids, extra, plan, True),
@@ -237,9 +237,9 @@ class _FlaxPipeline:
         self._tokenizers = [t.inner for t in model.tokenizers]
         if len(self._tokenizers) > 1:
             self.tokenizer_2 = self._tokenizers[1]
-        self._default_side = (model.unet_config.sample_size or 64) * model.vae_scale_factor
-        self._side_multiple = model.vae_scale_factor * 2 ** (len(model.unet_config.block_out_channels) - 1)
-        self._channels = model.unet_config.in_channels
+        self._default_side = (model.denoiser_config.sample_size or 64) * model.vae_scale_factor
+        self._side_multiple = model.vae_scale_factor * 2 ** (len(model.denoiser_config.block_out_channels) - 1)
+        self._channels = model.denoiser_config.in_channels
         weights = nnx.to_pure_dict(model.params)
         self._treedef = jax.tree.structure(weights)
         self._leaf_ndim = np.ndim(jax.tree.leaves(weights)[0])

@@ -1,6 +1,8 @@
 """Model families as records: one module per family, one registry here.
 
-`sd.py` (Stable Diffusion 1.x/2.x), `sdxl.py` (XL) and `lcm.py` (SD's latent consistency distillations) each
+`sd.py` (Stable Diffusion 1.x/2.x), `sdxl.py` (XL), `lcm.py` (SD's latent consistency distillations) and `sd3.py`
+(SD 3 and 3.5: MMDiT, CLIP and T5, flow matching) and `flux.py` (FLUX.1 schnell and dev, on SD3's T5, flow
+matching and 16-channel VAE) each
 declare a `FAMILY` (`base.Family`: components and their classes, prompt encoding, the denoiser call, guidance
 style, latent format, defaults, layout checks) and its `VARIANTS` (tasks: text-to-image, inpainting).
 `loader.py` reads a diffusers folder into a `LoadedModel` by asking the folder's family. A new family is one new
@@ -13,12 +15,14 @@ May import: `engine.errors`, `engine.models`, `engine.schedulers`, `engine.loadi
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import lcm, sd, sdxl
+from . import flux, lcm, sd, sd3, sdxl
 from .base import Conditioning, Family, LatentFormat, Models, Variant
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY, sd3.FAMILY, flux.FAMILY)
+}
 DEFAULT_FAMILY = sd.FAMILY.name  # what a `Plan` that names none samples with
-VARIANTS: tuple[Variant, ...] = (*sd.VARIANTS, *sdxl.VARIANTS, *lcm.VARIANTS)
+VARIANTS: tuple[Variant, ...] = (*sd.VARIANTS, *sdxl.VARIANTS, *lcm.VARIANTS, *sd3.VARIANTS, *flux.VARIANTS)
 PIPELINE_FAMILIES: dict[str, str] = {name: v.family for v in VARIANTS for name in v.pipelines}
 # Each family's prompt encoder by name: what `Plan.family` selects inside the programs.
 ENCODERS = {name: family.encode for name, family in FAMILIES.items()}

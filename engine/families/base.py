@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from ..errors import InvalidRequest
+from ..nn.layers import guidance_scale_embedding
 
 
 class Models(nnx.Module):
@@ -62,7 +63,12 @@ class LatentFormat:
     tiny_vae: str  # the Hub id of the matching TAESD (madebyollin/taesd, taesdxl, ...)
 
 
-def no_extra_inputs(plan: Any, negative_prompt: str | None) -> dict:
+def scale_embedding(config: Any, scale: jax.Array) -> jax.Array:
+    """What a UNet guided by embedding reads (LCM, `time_cond_proj_dim`): `guidance_scale_embedding(scale - 1)`."""
+    return guidance_scale_embedding(scale - 1.0, config.time_cond_proj_dim)
+
+
+def no_extra_inputs(plan: Any, prompt: str, negative_prompt: str | None) -> dict:
     return {}
 
 
@@ -92,16 +98,36 @@ class Family:
     # "embedding": the denoiser reads the scale (`guidance_scale_embedding(scale - 1)` as its `timestep_cond`) and
     # no unconditional row is ever computed (LCM). See `guided_by_embedding`.
     guidance: str = "batch"
+    # (denoiser config, guidance scale [batch] f32) -> `Conditioning.timestep_cond`, for a model guided by embedding
+    guidance_input: Callable[[Any, jax.Array], jax.Array] = field(default=scale_embedding, repr=False)
     # The component the denoising steps call and whose text projections `admit` holds: the UNet here, a
     # transformer in the MMDiT families. Its config names its `in_channels`; it has `project_context`.
     denoiser: str = "unet"
     # (configs by component, where) -> None, or ConfigError naming what disagrees
     check_layout: Callable[[Mapping[str, Any], str], None] = field(default=lambda configs, where: None, repr=False)
-    # (model_index.json, vae_scale_factor) -> the folder's (plan, negative_prompt) -> per-image inputs besides
-    # token ids, batch first (SDXL: time ids, and whether no negative prompt means zero embeddings)
-    extra_inputs: Callable[[Mapping[str, Any], int], Callable[[Any, str | None], dict]] = field(
-        default=lambda index, vae_scale_factor: no_extra_inputs, repr=False
+    # (model_index.json, vae_scale_factor, the folder or None) -> the folder's (plan, prompt, negative_prompt) ->
+    # per-image inputs besides CLIP token ids, batch first (SDXL: time ids, and whether no negative prompt means zero
+    # embeddings; SD3: both prompts' T5 token ids, read with the folder's T5 tokenizer)
+    extra_inputs: Callable[[Mapping[str, Any], int, Any], Callable[[Any, str, str | None], dict]] = field(
+        default=lambda index, vae_scale_factor, folder: no_extra_inputs, repr=False
     )
+    # Components a folder of this family may leave out (model_index.json [null, null]): SD3 without T5
+    optional: frozenset[str] = frozenset()
+    # False: the CLIP encoders read a prompt's first 77 tokens as they are, one chunk and no emphasis, as diffusers'
+    # pipelines with a T5 encoder do (the T5 reads the long prompt); True: A1111's chunks and emphasis
+    chunked_prompts: bool = True
+    # (configs by component) -> defaults a model's own config decides (FLUX.1: dev's guidance or schnell's none)
+    config_defaults: Callable[[Mapping[str, Any]], Mapping[str, Any]] = field(default=lambda configs: {}, repr=False)
+    # Whether requests may skip CLIP's last layers (`clip_skip`); False where the pipeline reads only a pooled vector
+    clip_skip: bool = True
+    # Generation defaults of a Turbo (adversarially distilled) folder of this family
+    turbo_defaults: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({"num_inference_steps": 1, "guidance_scale": 0.0})
+    )
+    # The flow schedule FluxPipeline asks for: sigmas linspace(1, 1/n, n) (`schedulers.tables(uniform_sigmas=)`)
+    uniform_sigmas: bool = False
+    # What can be attached to a model of this family: "lora", "controlnet" (refused by name elsewhere)
+    adapters: frozenset[str] = frozenset({"lora", "controlnet"})
 
     def guided_by_embedding(self, unet: Any) -> bool:
         """Whether a model of this family with this UNet config reads the guidance scale as an embedding rather than
@@ -120,7 +146,7 @@ class Variant:
     pipelines: tuple[str, ...]  # model_index.json `_class_name`s saved for this variant
     text_encoders: tuple[str, ...]  # sub-folders, in the order the encoders run
     tokenizers: tuple[str, ...]
-    unet_in_channels: int  # 4: latents; 9: latents, mask and masked-picture latents
+    unet_in_channels: int  # the denoiser's input channels: 4 latents; 9 latents, mask and masked-picture latents
     max_side: int  # pixels: twice the side the family was trained at
     defaults: MappingProxyType = field(compare=False)  # num_inference_steps, guidance_scale, scheduler
     strength: float  # image-to-image default, as the family's diffusers img2img pipeline

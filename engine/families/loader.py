@@ -2,7 +2,9 @@
 
 The family comes from `model_index.json`'s `_class_name` (`family_of`); the family's record says which
 components to read, which classes build them and what must agree between them. Generation defaults
-follow the family, and Turbo (few-step, guidance-free) folders get their own.
+follow the family, and Turbo (few-step, guidance-free) folders get the family's Turbo defaults. A component the
+family marks optional (SD3's T5) may be missing: model_index.json names it [null, null], as diffusers saves a
+pipeline without it.
 
 An optional `jax_sd.json` beside `model_index.json` carries generation defaults and example
 prompts for a model (the embedded default uses it); diffusers ignores that file.
@@ -25,13 +27,10 @@ from ..loading.sources import ModelFolder, resolve
 from ..loading.tokenizer import Tokenizer
 from ..loading.vae import OWN_VAE
 from ..loading.weights import convert, read_safetensors, rename_legacy
-from ..models.config import AutoencoderTinyConfig, UNetConfig, VAEConfig
+from ..models.config import AutoencoderTinyConfig, VAEConfig
 from ..schedulers import SCHEDULERS, SchedulerConfig
 from . import FAMILIES, PIPELINE_FAMILIES, family_of, find
 from .base import Family, Models, Variant, no_extra_inputs
-
-# Adversarially distilled models (SD-Turbo, SDXL-Turbo; Sauer et al. 2023) take 1-4 steps without guidance.
-TURBO_DEFAULTS = {"num_inference_steps": 1, "guidance_scale": 0.0}
 
 
 @dataclass
@@ -41,7 +40,7 @@ class LoadedModel:
     variant: Variant
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype
-    unet_config: UNetConfig
+    denoiser_config: Any  # the denoiser's config (`Family.denoiser`): a `UNetConfig`, an MMDiT transformer's
     vae_config: VAEConfig | AutoencoderTinyConfig  # the folder's own, or the one given (`loading.vae.attach_vae`)
     scheduler_config: SchedulerConfig
     tokenizers: list[Tokenizer]  # one per text encoder
@@ -50,7 +49,7 @@ class LoadedModel:
     example_prompts: list[str] = field(default_factory=list)
     max_clip_skip: int = 0
     # The family's per-image inputs besides token ids, from the plan and the negative prompt (None: none at all).
-    extra_inputs: Callable[[Any, str | None], dict] = no_extra_inputs
+    extra_inputs: Callable[[Any, str, str | None], dict] = no_extra_inputs
     controlnet: str | None = None  # the ControlNet's source, when one is attached (`controlnet.attach_controlnet`)
     vae: str = OWN_VAE  # which VAE draws: the folder's own, or the source given (`loading.vae.attach_vae`)
 
@@ -67,9 +66,16 @@ class LoadedModel:
     def unet_latent_channels(self) -> int:
         """The channels of the latents the UNet draws: its input for text-to-image; an inpainting UNet reads the
         mask and the picture's latents too, so the family's latent format says."""
-        if self.variant.task == "text-to-image":
-            return self.unet_config.in_channels
+        if self.variant.task == "text-to-image":  # a transformer that packs patches says its latents' own
+            return getattr(self.denoiser_config, "latent_channels", self.denoiser_config.in_channels)
         return FAMILIES[self.family].latent.channels
+
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels per side of one denoiser token (an MMDiT's patch; 1 for a UNet): picture sides are multiples
+        of it times the VAE's factor, and a flow schedule's dynamic shift counts the tokens."""
+        config = self.denoiser_config
+        return getattr(config, "latent_patch_size", None) or getattr(config, "patch_size", 1)
 
     @property
     def latent_channels(self) -> int:
@@ -92,14 +98,15 @@ def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
 
 
 def _defaults(
-    folder: ModelFolder, variant: Variant, unet: UNetConfig, vae: VAEConfig, scheduler: SchedulerConfig
+    folder: ModelFolder, family: Family, variant: Variant, configs: dict, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
-    side = (unet.sample_size or 64) * vae.vae_scale_factor
-    defaults = {"height": side, "width": side, **variant.defaults}
+    denoiser = configs[family.denoiser]
+    side = (getattr(denoiser, "sample_size", None) or 64) * vae.vae_scale_factor
+    defaults = {"height": side, "width": side, **variant.defaults, **family.config_defaults(configs)}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
     if is_turbo(folder, scheduler):
-        defaults.update(TURBO_DEFAULTS)
+        defaults.update(family.turbo_defaults)
     extra_path = folder.root / "jax_sd.json"
     extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
     defaults.update(
@@ -110,6 +117,12 @@ def _defaults(
         }
     )
     return defaults, list(extra.get("example_prompts", []))
+
+
+def present(folder: ModelFolder, name: str) -> bool:
+    """Whether a folder holds component `name`: a sub-folder that model_index.json names with a class."""
+    entry = folder.index.get(name)
+    return folder.has(name) and isinstance(entry, list) and entry[-1] is not None
 
 
 def folder_family(folder: ModelFolder) -> Family:
@@ -125,9 +138,13 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
     folder = resolve(source, weights_variant)
     family = folder_family(folder)
-    configs = {name: cls.from_json(folder.component(name) / "config.json") for name, cls in family.configs.items()}
-    unet_cfg, vae_cfg = configs["unet"], configs["vae"]
-    variant = find(family.name, unet_cfg.in_channels, where=folder.name)
+    configs = {
+        name: cls.from_json(folder.component(name) / "config.json")
+        for name, cls in family.configs.items()
+        if name not in family.optional or present(folder, name)
+    }
+    denoiser_cfg, vae_cfg = configs[family.denoiser], configs["vae"]
+    variant = find(family.name, denoiser_cfg.in_channels, where=folder.name)
     family.check_layout(configs, folder.name)
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
     tensors = {}
@@ -138,7 +155,7 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
     graphdef, params = convert(lambda: Models(**family.build(configs, nnx.Rngs(0))), tensors, dtype, where=folder.name)
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
-    defaults, examples = _defaults(folder, variant, unet_cfg, vae_cfg, sched_cfg)
+    defaults, examples = _defaults(folder, family, variant, configs, vae_cfg, sched_cfg)
     vae_scale_factor = vae_cfg.vae_scale_factor
     return LoadedModel(
         name=folder.name,
@@ -146,13 +163,15 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
         variant=variant,
         graphdef=graphdef,
         params=params,
-        unet_config=unet_cfg,
+        denoiser_config=denoiser_cfg,
         vae_config=vae_cfg,
         scheduler_config=sched_cfg,
         tokenizers=[Tokenizer(folder.component(name)) for name in variant.tokenizers],
         defaults=defaults,
         label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
         example_prompts=examples,
-        max_clip_skip=min(configs[name].num_hidden_layers for name in family.text_encoders) - 1,
-        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor),
+        max_clip_skip=min(configs[name].num_hidden_layers for name in family.text_encoders) - 1
+        if family.clip_skip
+        else 0,
+        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor, folder),
     )

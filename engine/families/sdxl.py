@@ -54,7 +54,7 @@ def check_layout(configs: Mapping[str, Any], where: str) -> None:
 
 
 def extra_inputs(
-    plan: Any, negative_prompt: str | None, vae_scale_factor: int, force_zeros: bool
+    plan: Any, prompt: str, negative_prompt: str | None, vae_scale_factor: int, force_zeros: bool
 ) -> dict[str, np.ndarray]:
     """The per-image inputs of `encode` besides token ids, batch first so that they shard like the images."""
     height, width = plan.latent_height * vae_scale_factor, plan.latent_width * vae_scale_factor
@@ -99,7 +99,7 @@ FAMILY = Family(
     defaults={"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU post
     max_side=2048,
     check_layout=check_layout,
-    extra_inputs=lambda index, vae_scale_factor: functools.partial(
+    extra_inputs=lambda index, vae_scale_factor, folder: functools.partial(
         extra_inputs,
         vae_scale_factor=vae_scale_factor,
         force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True

@@ -56,7 +56,7 @@ MATCHING_FIELDS = (
 def attach_controlnet(model, controlnet: LoadedControlNet):
     """`model` (a `loading.LoadedModel`) with the ControlNet as `Models.controlnet`, in its one param tree:
     replicated, merged and split with the rest. Refuses a ControlNet made for another UNet layout, by field."""
-    ours, theirs = model.unet_config, controlnet.config.unet
+    ours, theirs = model.denoiser_config, controlnet.config.unet
 
     def value(cfg: UNetConfig, name: str):
         return cfg.per_block(name) if name in ("cross_attention_dim", "layers_per_block") else getattr(cfg, name)

@@ -17,7 +17,8 @@ from ..errors import SourceError
 ASSETS = Path(__file__).parents[1] / "assets"  # engine/assets
 DEFAULT_MODEL = ASSETS / "default"
 
-WEIGHT_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+# Every family's networks (SD3 and FLUX.1 name their denoiser `transformer`, SD3 its T5 `text_encoder_3`)
+WEIGHT_COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 SAFETY_FEATURE_EXTRACTOR = "feature_extractor/preprocessor_config.json"  # the safety checker's preprocessing
 _WEIGHT_NAME = re.compile(
     r"^(diffusion_pytorch_model|model)(\.(?P<variant>[\w-]+?))?(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
@@ -72,7 +73,7 @@ def select_hub_files(files: list[str], variant: str | None = None, safety_checke
     With `safety_checker`, also the checker's config and weights and the feature extractor's config.
     """
     components = WEIGHT_COMPONENTS + (("safety_checker",) if safety_checker else ())
-    wanted = [f for f in files if f == "model_index.json" or re.match(r"^(scheduler|tokenizer(_2)?)/", f)]
+    wanted = [f for f in files if f == "model_index.json" or re.match(r"^(scheduler|tokenizer(_[23])?)/", f)]
     wanted += [f for f in files if re.match(rf"^({'|'.join(components)})/config\.json$", f)]
     if safety_checker:
         wanted += [f for f in files if f == SAFETY_FEATURE_EXTRACTOR]

@@ -67,6 +67,11 @@ class FluxTransformerConfig(_FromJson):
         """Channels of the unpacked NHWC latents `__call__` takes (16 for FLUX.1): each token packs a 2x2 patch."""
         return self.in_channels // 4
 
+    @property
+    def latent_patch_size(self) -> int:
+        """Latent pixels per side of one token: the 2x2 patches `__call__` packs (the engine's size multiple)."""
+        return 2
+
     def validate(self, where: str) -> None:
         _require(self.patch_size == 1, where, f"patch_size {self.patch_size} is not supported (only 1)")
         _require(self.in_channels % 4 == 0, where, f"in_channels {self.in_channels} is not 4 x latent channels")

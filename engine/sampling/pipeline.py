@@ -7,7 +7,8 @@ its own schedule, `decode` turns latents into pictures. What differs by family (
 the denoiser's call) comes from the family's record, `engine.families.FAMILIES[plan.family]`. Classifier-free guidance batches the unconditional and conditional halves into
 one UNet call, `noise = uncond + g * (cond - uncond)` in f32 (Ho & Salimans 2022), with `g` per slot;
 with guidance off the unconditional half is not computed at all. A family guided by embedding (LCM) never has
-that half: each slot's `g` reaches the UNet as `guidance_scale_embedding(g - 1)` (`Conditioning.timestep_cond`).
+that half: each slot's `g` reaches the denoiser as `Conditioning.timestep_cond`, in the form the family's
+`guidance_input` gives it (LCM: `guidance_scale_embedding(g - 1)`; FLUX.1-dev: `g` itself).
 Everything a user changes per request (steps, guidance scale, seed, prompt and its emphasis, eta) is a traced array; only the `Plan` (shapes, the
 scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's chunk count) is static.
 """
@@ -24,7 +25,7 @@ from flax import nnx
 
 from .. import schedulers
 from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Models
-from ..nn.layers import ProjectedContext, guidance_scale_embedding
+from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
 
 
@@ -90,7 +91,10 @@ def encode_prompts(
     ids int32 and weights f32 [batch, plan.chunks, 77] (SDXL: [batch, plan.chunks, 2, 77]); a prompt of one
     chunk with weights 1 gives exactly what the family's `encode` gives for its ids.
     """
-    return prompts.encode_chunks(FAMILIES[plan.family], models, ids, weights, extra, plan, negative)
+    family = FAMILIES[plan.family]
+    if not family.chunked_prompts:  # one plain chunk (prompts.tokenize_plain): the family's encoder as it is
+        return family.encode(models, ids[:, 0], extra, plan, negative)
+    return prompts.encode_chunks(family, models, ids, weights, extra, plan, negative)
 
 
 def _pair(uncond, cond):
@@ -177,15 +181,15 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         cond = jax.tree.map(_pair, uncond, cond)
     family = FAMILIES[plan.family]
     denoiser = getattr(models, family.denoiser)
-    unet_config = denoiser.config
-    if family.guided_by_embedding(unet_config):  # the scale is an input: traced, per slot
-        w = guidance_scale_embedding(new.guidance_scale - 1.0, unet_config.time_cond_proj_dim)
+    config = denoiser.config
+    if family.guided_by_embedding(config):  # the scale is an input: traced, per slot
+        w = family.guidance_input(config, new.guidance_scale)
         cond = dataclasses.replace(cond, timestep_cond=_pair(w, w) if plan.guidance else w)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
     x, kept = noise * new.tables.init_noise_sigma[:, None, None, None], None
     if plan.mode != "txt2img":
-        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, unet_config.in_channels)
+        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, config.in_channels)
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
     kv = denoiser.project_context(cond.context)  # once per request, not once per step

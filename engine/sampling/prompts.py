@@ -12,6 +12,9 @@ Mirrors A1111's `parse_prompt_attention` (modules/prompt_parser.py) and its CLIP
   the chunk rescaled so that its mean stays what it was; the chunks are concatenated (77 tokens each) into
   one context for the UNet. SDXL's pooled embedding is the first chunk's.
 
+Families whose T5 encoder reads the long prompt (SD3, FLUX.1; `Family.chunked_prompts` False) skip all this, as
+diffusers does: their CLIP encoders read the first 77 tokens as text (`tokenize_plain`).
+
 Not here: A1111's prompt editing (`[cat:dog:0.5]`, read as text) and `AND` (composable diffusion).
 A plain prompt of up to 75 tokens gives one chunk of weight 1: exactly the ids and conditioning the
 tokenizer and the family's encoder give without this module. The engine calls this module through
@@ -216,6 +219,17 @@ def tokenize_prompt(tokenizers: Sequence[Any], text: str, **options) -> Tokenize
         max(p.token_count for p in each),
         np.stack([p.empty for p in each]),
     )
+
+
+def tokenize_plain(tokenizers: Sequence[Any], text: str) -> TokenizedPrompt:
+    """One chunk of each CLIP tokenizer's first 77 tokens, no emphasis (brackets are text): what diffusers' SD3 and
+    FLUX.1 pipelines give their CLIP encoders, whose T5 encoder reads the long prompt. [1, 77] or [1, encoders, 77]."""
+    rows = [tokenizer(text)[0][0] for tokenizer in tokenizers]  # `loading.Tokenizer`: padded, truncated at 77
+    ids = np.stack(rows)[None] if len(rows) > 1 else rows[0][None]
+    empty = np.stack([tokenizer("")[0][0] for tokenizer in tokenizers])
+    empty = empty if len(rows) > 1 else empty[0]
+    count = max(min(len(getattr(t, "inner", t)(text).input_ids) - 2, 75) for t in tokenizers)
+    return TokenizedPrompt(ids.astype(np.int32), np.ones(ids.shape, np.float32), count, empty)
 
 
 def align(*prompts: TokenizedPrompt, chunks: int = 0) -> list[TokenizedPrompt]:

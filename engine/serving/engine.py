@@ -102,9 +102,9 @@ class Engine:
         self.controlnet = model.controlnet  # its source, or None
         self.defaults = dict(model.defaults)
         self.variant = model.variant  # what the model is and which picture inputs it takes
-        factor = model.vae_scale_factor
+        factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels
         self.limits = Limits(
-            schedulers=schedulers.SCHEDULERS,
+            schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
             side_multiple=factor,
             max_side=model.variant.max_side,
             max_clip_skip=model.max_clip_skip,

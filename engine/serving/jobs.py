@@ -21,7 +21,7 @@ from ..request import GenerationRequest, Limits
 from ..sampling import modes
 from ..sampling.images import control_image_array
 from ..sampling.pipeline import Admission, Plan
-from ..sampling.prompts import TokenizedPrompt, align, tokenize_prompt
+from ..sampling.prompts import TokenizedPrompt, align, tokenize_plain, tokenize_prompt
 from .lora_serving import ServedLoRAs
 from .slots import Job
 from .ticket import Ticket
@@ -41,8 +41,9 @@ class Jobs:
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
         """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/sampling/prompts.py),
         padded to one chunk count; refused when longer than `limits.max_chunks`."""
-        prompt = tokenize_prompt(self.model.tokenizers, r.prompt)
-        negative = tokenize_prompt(self.model.tokenizers, r.negative_prompt or "")
+        tokenize = tokenize_prompt if FAMILIES[self.model.family].chunked_prompts else tokenize_plain
+        prompt = tokenize(self.model.tokenizers, r.prompt)
+        negative = tokenize(self.model.tokenizers, r.negative_prompt or "")
         self.limits.check_chunks(prompt.chunks, prompt.token_count)
         self.limits.check_chunks(negative.chunks, negative.token_count, "negative prompt")
         return prompt, negative
@@ -53,7 +54,7 @@ class Jobs:
             chunks = max(p.chunks for p in self.prompts(r))
         factor = self.model.vae_scale_factor
         # A model that reads the scale as an embedding (LCM) never takes the unconditional row.
-        by_embedding = FAMILIES[self.model.family].guided_by_embedding(self.model.unet_config)
+        by_embedding = FAMILIES[self.model.family].guided_by_embedding(self.model.denoiser_config)
         return Plan(
             batch=self.batch_size,
             latent_height=r.height // factor,
@@ -77,7 +78,8 @@ class Jobs:
     ) -> Job:
         prompt, negative = align(*prompts, chunks=plan.chunks)
         one = dataclasses.replace(plan, batch=1, devices=1)
-        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.negative_prompt).items()}
+        extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.prompt, r.negative_prompt).items()}
+        family, patch = FAMILIES[self.model.family], self.model.patch_size
         latents = None
         if r.latents is not None:
             want = (r.num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
@@ -95,6 +97,8 @@ class Jobs:
             strength=None if plan.mode == "txt2img" else float(1.0 if r.strength is None else r.strength),
             inpaint=plan.mode == "inpaint",
             eta=float(r.eta),
+            image_tokens=(plan.latent_height // patch) * (plan.latent_width // patch),
+            uniform_sigmas=family.uniform_sigmas,
         )
         return Job(
             ticket=ticket,

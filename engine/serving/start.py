@@ -8,6 +8,8 @@ from pathlib import Path
 
 import jax
 
+from ..errors import ConfigError
+from ..families import FAMILIES
 from ..families.loader import load_model_folder
 from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
@@ -54,6 +56,10 @@ def load_pipeline(
     """
     dtype = dtype or default_dtype()
     model = load_model_folder(source, dtype)
+    adapters = FAMILIES[model.family].adapters
+    for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
+        if given and what not in adapters:
+            raise ConfigError(f"{model.label} models take no {label} yet: start without one")
     if vae is not None:
         model = attach_vae(model, load_vae(vae, dtype))
     if controlnet is not None:
