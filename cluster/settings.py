@@ -25,6 +25,7 @@ class ClusterSettings:
     retries: int = 1  # a request whose replica dies is drawn again on another replica this many times
     controlnet: str | None = None  # a ControlNet folder or Hub id on every replica host, as app.py's --controlnet
     vae: str | None = None  # a VAE folder or Hub id in place of the model's own, as app.py's --vae
+    t5: str = "device"  # where SD3's and FLUX.1's T5 runs: device, host or off, as app.py's --t5
     loras: tuple[tuple[str, str], ...] = ()  # (name, path or Hub id) pairs, as app.py's --lora NAME=PATH
 
     @classmethod

@@ -16,6 +16,7 @@ from t5_reference import save_tiny_t5_tokenizer, tiny_t5_encoder
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5TokenizerFast
 
 from engine import GenerationRequest, InvalidRequest, load_pipeline
+from engine.errors import ConfigError
 from tools.tiny_tokenizer import write_tokenizer
 
 WORDS = ["a", "red", "circle", "on", "blue", "background", "photo", "cat"]
@@ -146,3 +147,19 @@ def test_mixed_requests_share_a_batch_and_get_their_own_pictures(flux):
         assert engine.compile_count == compiled
     finally:
         engine.close()
+
+
+def test_t5_on_the_host_draws_the_same_and_cannot_be_left_out(flux):
+    kind, _, ours, folder = flux
+    if kind != "schnell":
+        pytest.skip("one folder is enough")
+    start = latents(32, 32, n=1)
+    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2)
+    host = load_pipeline(folder, safety_checker=False, t5="host")
+    try:
+        assert "text_encoder_2" not in host.params
+        assert np.abs(host.generate(PROMPT, **args).arrays - ours.generate(PROMPT, **args).arrays).max() <= 1 / 255
+    finally:
+        host.close()
+    with pytest.raises(ConfigError, match="needs its T5"):
+        load_pipeline(folder, safety_checker=False, t5="off")

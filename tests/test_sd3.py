@@ -162,3 +162,29 @@ def test_mixed_requests_share_a_batch_and_get_their_own_pictures(sd3):
         assert np.abs(alone[0] - alone[1]).max() > 0.05
     finally:
         engine.close()
+
+
+def test_t5_on_the_host_or_left_out(sd3):
+    """`t5="host"`: T5's weights leave the devices and the pictures stay; `t5="off"`: diffusers without T5."""
+    reference, ours, folder, param = sd3
+    if param != ("sd3", True):
+        pytest.skip("a folder with T5")
+    start = latents(1)
+    args = dict(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=5.0, num_inference_steps=2)
+    on_device = run_ours(ours, start, scheduler="flow_euler", **args)
+    host = load_pipeline(folder, safety_checker=False, t5="host")
+    try:
+        assert "text_encoder_3" not in host.params and "text_encoder_3" in ours.params
+        assert np.abs(run_ours(host, start, **args) - on_device).max() <= 1 / 255
+    finally:
+        host.close()
+    off = load_pipeline(folder, safety_checker=False, t5="off")
+    try:
+        without = StableDiffusion3Pipeline(**{**reference.components, "text_encoder_3": None, "tokenizer_3": None})
+        want = run_reference(without, start, **args)
+        got = run_ours(off, start, **args)
+        assert np.abs(got - want).max() < TOLERANCE and np.abs(got - on_device).max() > 1e-3
+    finally:
+        off.close()
+    with pytest.raises(ConfigError, match="t5 must be one of"):
+        load_pipeline(folder, safety_checker=False, t5="cpu")

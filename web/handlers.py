@@ -190,7 +190,7 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
     scheduler = params.scheduler
     if scheduler is not None and scheduler not in pipe.limits.schedulers:  # "Euler" on a flow model: its own Euler
         same = [kind for kind in pipe.limits.schedulers if SAMPLER_NAMES.get(kind) == SAMPLER_NAMES[scheduler]]
-        scheduler = same[0] if same else None
+        scheduler = same[0] if same else scheduler
     values = {
         "prompt": params.prompt,
         "negative_prompt": params.negative_prompt,
@@ -204,7 +204,7 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
     notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
     if size and values["size"] is None:
         notes.append(f"Its size {size} is not offered here; the size is unchanged.")
-    if scheduler is None:
+    if params.scheduler is None:
         notes.append("Its sampler is not one of ours; the scheduler is unchanged.")
     return [*(values[name] for name in FORM_FIELDS), False, " ".join(notes)]
 

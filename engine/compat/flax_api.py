@@ -143,7 +143,7 @@ def _generate(
     )
     family = FAMILIES[spec.family]
     # SDXL: uncropped micro-conditioning at the generated size, as the old pipeline; no negative ids: zeros.
-    extra = family.extra_inputs({}, spec.vae_scale_factor, None)(plan, "", None if neg_ids is None else "")
+    extra = family.extra_inputs({}, spec.vae_scale_factor, None, None)(plan, "", None if neg_ids is None else "")
     encode = family.encode
     halves = (
         encode(models, ids if neg_ids is None else neg_ids, extra, plan, True),

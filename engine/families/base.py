@@ -105,12 +105,15 @@ class Family:
     denoiser: str = "unet"
     # (configs by component, where) -> None, or ConfigError naming what disagrees
     check_layout: Callable[[Mapping[str, Any], str], None] = field(default=lambda configs, where: None, repr=False)
-    # (model_index.json, vae_scale_factor, the folder or None) -> the folder's (plan, prompt, negative_prompt) ->
-    # per-image inputs besides CLIP token ids, batch first (SDXL: time ids, and whether no negative prompt means zero
-    # embeddings; SD3: both prompts' T5 token ids, read with the folder's T5 tokenizer)
-    extra_inputs: Callable[[Mapping[str, Any], int, Any], Callable[[Any, str, str | None], dict]] = field(
-        default=lambda index, vae_scale_factor, folder: no_extra_inputs, repr=False
+    # (model_index.json, vae_scale_factor, the folder or None, the host encoder or None) -> the folder's
+    # (plan, prompt, negative_prompt) -> per-image inputs besides CLIP token ids, batch first (SDXL: time ids, and
+    # whether no negative prompt means zero embeddings; SD3, FLUX.1: both prompts' T5 token ids, or their T5
+    # embeddings when T5 runs on the host)
+    extra_inputs: Callable[[Mapping[str, Any], int, Any, Any], Callable[[Any, str, str | None], dict]] = field(
+        default=lambda index, vae_scale_factor, folder, host: no_extra_inputs, repr=False
     )
+    # The T5 encoder's component, which `load_pipeline(t5=)` keeps on the host or leaves out; None: no T5
+    t5_encoder: str | None = None
     # Components a folder of this family may leave out (model_index.json [null, null]): SD3 without T5
     optional: frozenset[str] = frozenset()
     # False: the CLIP encoders read a prompt's first 77 tokens as they are, one chunk and no emphasis, as diffusers'

@@ -25,7 +25,7 @@ from ..models.t5 import T5Config, T5EncoderModel
 from ..models.transformer_flux import TIME_FACTOR, FluxTransformer2DModel, FluxTransformerConfig
 from ..models.vae import AutoencoderKL
 from .base import Conditioning, Family, LatentFormat, Models, Variant
-from .sd3 import t5_extra_inputs
+from .sd3 import t5_extra_inputs, t5_states
 
 T5_TOKENS = 512  # FluxPipeline's `max_sequence_length` default
 SCHNELL = {"num_inference_steps": 4, "guidance_scale": 0.0}
@@ -49,7 +49,7 @@ def check_layout(configs: Mapping[str, Any], where: str) -> None:
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:
     """ids [batch, 77] for CLIP; extra "t5_ids" [batch, 512]. Context: T5's last hidden state; pooled: CLIP's."""
     pooled = models.text_encoder(ids).pooled
-    t5 = models.text_encoder_2(extra["neg_t5_ids" if negative else "t5_ids"])
+    t5 = t5_states(models, "text_encoder_2", extra, negative)
     return Conditioning(t5.astype(pooled.dtype), pooled)
 
 
@@ -61,12 +61,14 @@ def denoise(models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: C
 
 
 def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
-    return {
+    networks = {
         "text_encoder": CLIPTextModel(configs["text_encoder"], rngs),
-        "text_encoder_2": T5EncoderModel(configs["text_encoder_2"], rngs),
         "transformer": FluxTransformer2DModel(configs["transformer"], rngs),
         "vae": AutoencoderKL(configs["vae"], rngs),
     }
+    if "text_encoder_2" in configs:  # T5 on the device; on the host, `loading.host_encoder` holds it
+        networks["text_encoder_2"] = T5EncoderModel(configs["text_encoder_2"], rngs)
+    return networks
 
 
 PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
@@ -93,6 +95,7 @@ FAMILY = Family(
     check_layout=check_layout,
     extra_inputs=t5_extra_inputs("text_encoder_2", "tokenizer_2", T5_TOKENS),
     chunked_prompts=False,
+    t5_encoder="text_encoder_2",
     config_defaults=lambda configs: DEV if configs["transformer"].guidance_embeds else SCHNELL,
     turbo_defaults=SCHNELL,
     uniform_sigmas=True,

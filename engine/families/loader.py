@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..errors import SourceError
+from ..errors import ConfigError, SourceError
+from ..loading.host_encoder import host_t5
 from ..loading.sources import ModelFolder, resolve
 from ..loading.tokenizer import Tokenizer
 from ..loading.vae import OWN_VAE
@@ -134,14 +135,25 @@ def folder_family(folder: ModelFolder) -> Family:
     return family
 
 
-def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
+T5_PLACES = ("device", "host", "off")
+
+
+def load_model_folder(source: str | Path | None, dtype: str, t5: str = "device") -> LoadedModel:
+    """`t5`: where a family's T5 encoder runs (`Family.t5_encoder`): "device" with the other networks, "host" on the
+    CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
+    it, as diffusers without it). Families without T5 ignore it."""
+    if t5 not in T5_PLACES:
+        raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
     folder = resolve(source, weights_variant)
     family = folder_family(folder)
+    if t5 == "off" and family.t5_encoder is not None and family.t5_encoder not in family.optional:
+        raise ConfigError(f"{folder.name}: this model needs its T5 encoder; keep it on the device or the host")
+    left_out = {family.t5_encoder} if t5 == "off" else set()
     configs = {
         name: cls.from_json(folder.component(name) / "config.json")
         for name, cls in family.configs.items()
-        if name not in family.optional or present(folder, name)
+        if name not in left_out and (name not in family.optional or present(folder, name))
     }
     denoiser_cfg, vae_cfg = configs[family.denoiser], configs["vae"]
     variant = find(family.name, denoiser_cfg.in_channels, where=folder.name)
@@ -152,7 +164,15 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
         for key, value in rename_legacy(read_safetensors(folder.weight_files(name, weights_variant))).items():
             tensors[f"{name}.{key}"] = value
 
-    graphdef, params = convert(lambda: Models(**family.build(configs, nnx.Rngs(0))), tensors, dtype, where=folder.name)
+    host = None
+    if t5 == "host" and family.t5_encoder in configs:
+        name = family.t5_encoder
+        mine = {key[len(name) + 1 :]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
+        host = host_t5(name, configs[name], mine, dtype, folder.name)
+    on_device = {name: config for name, config in configs.items() if host is None or name != family.t5_encoder}
+    graphdef, params = convert(
+        lambda: Models(**family.build(on_device, nnx.Rngs(0))), tensors, dtype, where=folder.name
+    )
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
     defaults, examples = _defaults(folder, family, variant, configs, vae_cfg, sched_cfg)
@@ -173,5 +193,5 @@ def load_model_folder(source: str | Path | None, dtype: str) -> LoadedModel:
         max_clip_skip=min(configs[name].num_hidden_layers for name in family.text_encoders) - 1
         if family.clip_skip
         else 0,
-        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor, folder),
+        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
     )

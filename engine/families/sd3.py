@@ -57,24 +57,40 @@ def check_layout(configs: Mapping[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: not a consistent SD3 model: " + "; ".join(problems))
 
 
-def t5_inputs(plan: Any, prompt: str, negative_prompt: str | None, tokenizer: T5Tokenizer | None) -> dict:
-    """Both prompts' T5 token ids, [batch, tokens] each, batch first; none for a folder without T5."""
+def t5_inputs(plan: Any, prompt: str, negative_prompt: str | None, tokenizer: T5Tokenizer | None, host: Any) -> dict:
+    """The prompt's T5 token ids [batch, tokens], batch first, and the negative prompt's when the plan is guided;
+    with T5 on the host (`loading.host_encoder`), their T5 hidden states instead. None for a folder without T5."""
     if tokenizer is None:
         return {}
-    row = lambda text: np.broadcast_to(tokenizer(text)[0][0], (plan.batch, tokenizer.max_length)).copy()  # noqa: E731
-    return {"t5_ids": row(prompt), "neg_t5_ids": row(negative_prompt or "")}
+    texts = {"t5": prompt, **({"neg_t5": negative_prompt or ""} if plan.guidance else {})}
+    out = {}
+    for name, text in texts.items():
+        ids = tokenizer(text)[0]  # [1, tokens]
+        row = ids if host is None else host(ids)
+        out[f"{name}_ids" if host is None else f"{name}_embeds"] = np.broadcast_to(row, (plan.batch, *row.shape[1:]))
+    return {name: value.copy() for name, value in out.items()}
 
 
 def t5_extra_inputs(encoder: str, tokenizer: str, tokens: int) -> Any:
     """A family's `extra_inputs`: both prompts read by the folder's T5 tokenizer (sub-folder `tokenizer`), padded
-    or cut to `tokens`, when the folder has its T5 encoder (sub-folder `encoder`)."""
+    or cut to `tokens`, when the folder has its T5 encoder (sub-folder `encoder`) and it was not left out."""
 
-    def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any) -> Any:
+    def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any, host: Any) -> Any:
         has_t5 = folder is not None and folder.has(encoder) and (index.get(encoder) or [None])[-1] is not None
         reader = T5Tokenizer(folder.component(tokenizer), tokens) if has_t5 else None
-        return functools.partial(t5_inputs, tokenizer=reader)
+        return functools.partial(t5_inputs, tokenizer=reader, host=host)
 
     return extra_inputs
+
+
+def t5_states(models: Models, name: str, extra: dict, negative: bool) -> jax.Array | None:
+    """T5's hidden states for the batch: brought by the request (T5 on the host), computed here, or None."""
+    key = "neg_t5" if negative else "t5"
+    if f"{key}_embeds" in extra:
+        return extra[f"{key}_embeds"]
+    if hasattr(models, name):
+        return getattr(models, name)(extra[f"{key}_ids"])
+    return None
 
 
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:
@@ -85,9 +101,8 @@ def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: boo
     clip = jnp.concatenate([first.hidden_states[layer], second.hidden_states[layer]], axis=-1)
     pooled = jnp.concatenate([first.pooled, second.pooled], axis=-1)
     width = models.transformer.config.joint_attention_dim
-    if hasattr(models, T5):
-        t5 = models.text_encoder_3(extra["neg_t5_ids" if negative else "t5_ids"])
-    else:
+    t5 = t5_states(models, T5, extra, negative)
+    if t5 is None:  # a folder without T5, or T5 left out: zeros, as diffusers
         t5 = jnp.zeros((ids.shape[0], T5_TOKENS, width), clip.dtype)
     clip = jnp.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
     return Conditioning(jnp.concatenate([clip, t5.astype(clip.dtype)], axis=-2), pooled)
@@ -133,6 +148,7 @@ FAMILY = Family(
     check_layout=check_layout,
     extra_inputs=t5_extra_inputs(T5, "tokenizer_3", T5_TOKENS),
     optional=frozenset({T5}),
+    t5_encoder=T5,
     chunked_prompts=False,
     turbo_defaults={"num_inference_steps": 4, "guidance_scale": 0.0},  # SD 3.5 Large Turbo
     adapters=frozenset(),

@@ -99,7 +99,7 @@ FAMILY = Family(
     defaults={"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU post
     max_side=2048,
     check_layout=check_layout,
-    extra_inputs=lambda index, vae_scale_factor, folder: functools.partial(
+    extra_inputs=lambda index, vae_scale_factor, folder, host: functools.partial(
         extra_inputs,
         vae_scale_factor=vae_scale_factor,
         force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True

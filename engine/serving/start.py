@@ -40,6 +40,7 @@ def load_pipeline(
     controlnet: str | os.PathLike | None = None,
     loras: dict[str, str | os.PathLike] | None = None,
     vae: str | os.PathLike | None = None,
+    t5: str = "device",
     **serving,
 ) -> Engine:
     """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
@@ -52,10 +53,12 @@ def load_pipeline(
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
-    refused at load if its latents are not the UNet's.
+    refused at load if its latents are not the UNet's. `t5`: where SD3's and FLUX.1's T5 encoder runs: "device" with
+    the other networks, "host" (its 9.5 GB of bf16 weights kept in host memory, run on the CPU once per request), or
+    "off" (SD3 only: zeros in its place, as diffusers runs a folder without it).
     """
     dtype = dtype or default_dtype()
-    model = load_model_folder(source, dtype)
+    model = load_model_folder(source, dtype, t5=t5)
     adapters = FAMILIES[model.family].adapters
     for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
         if given and what not in adapters:
