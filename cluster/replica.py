@@ -80,6 +80,7 @@ class EngineReplica:
             chunk_steps=settings.chunk_steps,
             controlnet=settings.controlnet,
             vae=settings.vae,
+            quantize=settings.quantize,
             t5=settings.t5,
             loras=dict(settings.loras) or None,
         )

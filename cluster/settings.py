@@ -26,6 +26,7 @@ class ClusterSettings:
     controlnet: str | None = None  # a ControlNet folder or Hub id on every replica host, as app.py's --controlnet
     vae: str | None = None  # a VAE folder or Hub id in place of the model's own, as app.py's --vae
     t5: str = "device"  # where SD3's and FLUX.1's T5 runs: device, host or off, as app.py's --t5
+    quantize: str | None = None  # "int8": the denoiser's kernels as int8, as app.py's --quantize
     loras: tuple[tuple[str, str], ...] = ()  # (name, path or Hub id) pairs, as app.py's --lora NAME=PATH
 
     @classmethod

@@ -25,6 +25,7 @@ from flax import nnx
 
 from .. import schedulers
 from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Models
+from ..loading.quantize import dequantize
 from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
 
@@ -213,7 +214,7 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
     """The shapes of a batch's slots (use under `jax.eval_shape`): what `admit` fills."""
-    return _fresh(plan, nnx.merge(graphdef, params), new)
+    return _fresh(plan, nnx.merge(graphdef, dequantize(params)), new)
 
 
 def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slots: Slots, new: Admission) -> Slots:
@@ -222,7 +223,7 @@ def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slo
     The text encoders run over the first `lanes` slots of each device, where the masked ones are.
     """
     new, old = take_lanes(new, plan, lanes), take_lanes(slots, plan, lanes)
-    fresh = _fresh(plan, nnx.merge(graphdef, params), new)
+    fresh = _fresh(plan, nnx.merge(graphdef, dequantize(params)), new)
     return put_lanes(slots, jax.tree.map(lambda a, b: _select(new.mask, a, b), fresh, old), plan, lanes)
 
 
@@ -235,9 +236,10 @@ def advance(
     guidance scales share the UNet batch; the scheduler maths is the single-image function vmapped over
     slots. Only the first `lanes` slots of each device run. `num_steps` is traced: any chunk length runs the
     same program. Static: `plan` (shapes, scheduler kind, guidance on/off, clip_skip) and `lanes`. No host
-    callback inside, so the persistent compilation cache keeps it.
+    callback inside, so the persistent compilation cache keeps it. Int8 kernels (engine/loading/quantize.py) are
+    widened inside each step, not once before the loop, which would hold the whole denoiser at full width.
     """
-    models: Models = nnx.merge(graphdef, params)
+    models: Models = nnx.merge(graphdef, dequantize(params))
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
     family = FAMILIES[plan.family]
@@ -247,6 +249,7 @@ def advance(
 
     def body(_, carry):
         x, state, i = carry
+        models = nnx.merge(graphdef, dequantize(params, after=x))  # the same arrays for a tree with no int8 kernel
         active = i < t.num_loop_steps  # [batch]
         model_in = jax.vmap(lambda tab, j, row: schedulers.scale_model_input(kind, tab, j, row))(t, i, x)
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
@@ -296,7 +299,7 @@ def _control_residuals(
 
 def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
     """Latents -> images [batch, H, W, 3] in [0, 1], f32: the last of the three programs."""
-    models: Models = nnx.merge(graphdef, params)
+    models: Models = nnx.merge(graphdef, dequantize(params))
     vae_cfg = models.vae.config
     if vae_cfg.latents_mean is not None and vae_cfg.latents_std is not None:  # as diffusers' SDXL pipeline
         x = x * jnp.asarray(vae_cfg.latents_std) / vae_cfg.scaling_factor + jnp.asarray(vae_cfg.latents_mean)

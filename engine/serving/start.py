@@ -3,6 +3,7 @@ with its VAE, ControlNet, LoRAs and safety checker and puts it on the devices.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from ..families import FAMILIES
 from ..families.loader import load_model_folder
 from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
+from ..loading.quantize import MODES as QUANTIZE_MODES
+from ..loading.quantize import quantize_params
 from ..loading.vae import attach_vae, load_vae
 from .engine import Engine
 
@@ -41,6 +44,7 @@ def load_pipeline(
     loras: dict[str, str | os.PathLike] | None = None,
     vae: str | os.PathLike | None = None,
     t5: str = "device",
+    quantize: str | None = None,
     **serving,
 ) -> Engine:
     """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
@@ -50,6 +54,8 @@ def load_pipeline(
     sizes, chunk_steps, max_waiting, max_plans, max_live_plans, previews, preview_every_s). `controlnet`: a
     diffusers-format ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`:
     name -> LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
+    `quantize`: "int8" keeps the denoiser's large linear kernels as int8 with one scale per output channel
+    (engine/loading/quantize.py: about half their bf16 memory), or None; not with LoRAs, which merge into kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
@@ -57,6 +63,13 @@ def load_pipeline(
     the other networks, "host" (its 9.5 GB of bf16 weights kept in host memory, run on the CPU once per request), or
     "off" (SD3 only: zeros in its place, as diffusers runs a folder without it).
     """
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ConfigError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE_MODES)} (or None: no quantization)")
+    if quantize is not None and loras:
+        raise ConfigError(
+            f"quantize={quantize!r} and LoRAs do not go together: a LoRA merges into the float kernels that "
+            "quantizing replaces; start without one or the other"
+        )
     dtype = dtype or default_dtype()
     model = load_model_folder(source, dtype, t5=t5)
     adapters = FAMILIES[model.family].adapters
@@ -68,6 +81,8 @@ def load_pipeline(
     if controlnet is not None:
         model = attach_controlnet(model, load_controlnet(controlnet, dtype))
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
+    if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
+        model = dataclasses.replace(model, params=quantize_params(model.params, FAMILIES[model.family].denoiser))
     checker = None
     if safety_checker:
         from ..loading.safety import load_safety_checker

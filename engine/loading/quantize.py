@@ -1,0 +1,131 @@
+"""8-bit weights for the big denoisers (`load_pipeline(quantize="int8")`, `--quantize int8`): FLUX.1's 12B-parameter
+transformer takes 24 GB in bf16 and about 12 GB with int8 kernels.
+
+Weight-only, symmetric, per output channel, round to nearest (the recipe of LLM.int8()'s weight half and of
+optimum-quanto's qint8 weights): a linear kernel w [in, out] becomes `Int8Kernel(values, scale)` with
+`scale[j] = max_i |w[i, j]| / 127` and `values = round(w / scale)`, so `values * scale` is within `scale / 2` of
+every weight. Only large 2-D kernels are replaced; biases, norms, embeddings and convolutions stay as they were.
+
+The quantized tree is data like any other param tree: it is put on the devices as int8 and handed to the jitted
+programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
+where XLA can fuse the convert and the scale into the matmul that reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..errors import ConfigError
+
+MODES = ("int8",)  # what `load_pipeline(quantize=...)` takes, besides None
+# Kernels with fewer entries than this stay as they are: what they would save is nothing, and the smallest layers
+# (a tiny model's, a head of a few outputs) lose the most to one scale per column.
+MIN_SIZE = 1024
+THREADS = 8  # numpy frees the GIL in its loops: a few kernels at once
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Int8Kernel:
+    """A linear kernel as int8 values and one scale per output channel: `values * scale` ~ the kernel."""
+
+    values: Any  # int8 [in, out]
+    scale: Any  # [out], in the kernel's own dtype (f32 on a CPU, bf16 on accelerators): what dequantize gives
+
+    def dequantize(self) -> jax.Array:
+        return self.values.astype(self.scale.dtype) * self.scale  # [in, out] * [out]: per output channel
+
+
+def quantize_kernel(kernel: Any) -> Int8Kernel:
+    """w [in, out] (numpy or jax, any float dtype) -> Int8Kernel with every |values * scale - w| <= scale / 2.
+
+    The scale is stored in the kernel's dtype; where rounding it to that dtype made it smaller than max|w| / 127,
+    it is rounded up instead, so that no weight falls outside [-127, 127] scales. A column of zeros gets scale 0.
+    A `jax.ShapeDtypeStruct` gives the shapes alone: what a model would take, measured without its weights.
+    """
+    if isinstance(kernel, jax.ShapeDtypeStruct):
+        return Int8Kernel(
+            jax.ShapeDtypeStruct(kernel.shape, np.int8), jax.ShapeDtypeStruct(kernel.shape[1:], kernel.dtype)
+        )
+    w = np.asarray(kernel)
+    dtype = w.dtype
+    w = w.astype(np.float32)
+    scale = np.abs(w).max(axis=0) / 127.0  # [out]
+    stored = scale.astype(dtype)
+    # bf16 keeps 8 significant bits: x * (1 + 2^-7), rounded to nearest, is never below x
+    stored = np.where(stored.astype(np.float32) < scale, (scale * (1 + 2.0**-7)).astype(dtype), stored)
+    divisor = stored.astype(np.float32)
+    values = np.rint(w / np.where(divisor == 0, 1.0, divisor))
+    return Int8Kernel(np.clip(values, -127, 127).astype(np.int8), stored)
+
+
+def _quantizable(path: tuple, value: Any, components: set[str], min_size: int) -> bool:
+    return (
+        path[0] in components
+        and str(path[-1]) == "kernel"  # nnx.Linear's and nnx.Conv's weight; embeddings are `embedding`
+        and not isinstance(value, Int8Kernel)
+        and len(value.shape) == 2  # a linear layer's [in, out]; convolutions are 4-D
+        and math.prod(value.shape) >= min_size
+    )
+
+
+def quantize_params(
+    params: nnx.State, component: str | Sequence[str] = "transformer", min_size: int = MIN_SIZE
+) -> nnx.State:
+    """`params` with every linear kernel of `component` (a `Models` attribute: the family's denoiser, or several)
+    of at least `min_size` entries replaced by an `Int8Kernel`; every other leaf is the same object as before."""
+    components = {component} if isinstance(component, str) else set(component)
+    missing = components - set(params.keys())
+    if missing:
+        raise ConfigError(f"nothing to quantize: no component {sorted(missing)} in {sorted(params.keys())}")
+    flat = list(nnx.to_flat_state(params))
+    chosen = [i for i, (path, var) in enumerate(flat) if _quantizable(path, var.get_value(), components, min_size)]
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-quantize") as pool:
+        done = dict(zip(chosen, pool.map(lambda i: quantize_kernel(flat[i][1].get_value()), chosen), strict=True))
+    return nnx.from_flat_state(
+        [(path, var.replace(done[i]) if i in done else var) for i, (path, var) in enumerate(flat)]
+    )
+
+
+def _is_int8(x: Any) -> bool:
+    return isinstance(x, Int8Kernel)
+
+
+def dequantize(params: Any, after: jax.Array | None = None) -> Any:
+    """Every `Int8Kernel` of a param tree as a kernel in its scale's dtype (traceable); a tree without one as it is.
+
+    `after`: an array that changes each turn of a loop (its carry), when this runs inside the loop's body. The int8
+    values then pass an optimization barrier beside it, so XLA sees them as of this turn and widens them inside it,
+    where each convert can join the matmul that reads it. Otherwise its loop-invariant code motion widens every kernel
+    once before the loop and holds the whole denoiser at full width for the loop's length: more memory than not
+    quantizing at all (the loop then carries f32/bf16 kernels; with the barrier it carries the int8 values).
+    """
+    leaves, tree = jax.tree.flatten(params, is_leaf=_is_int8)
+    where = [i for i, leaf in enumerate(leaves) if _is_int8(leaf)]
+    if not where:
+        return params
+    if after is not None:
+        values, _ = jax.lax.optimization_barrier(([leaves[i].values for i in where], after))
+        for i, v in zip(where, values, strict=True):
+            leaves[i] = Int8Kernel(v, leaves[i].scale)
+    for i in where:
+        leaves[i] = leaves[i].dequantize()
+    return jax.tree.unflatten(tree, leaves)
+
+
+def is_quantized(params: Any) -> bool:
+    return any(_is_int8(x) for x in jax.tree.leaves(params, is_leaf=_is_int8))
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes the tree's arrays take (int8 values and their scales included): numpy, jax or shape-only leaves."""
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(params))
