@@ -179,6 +179,10 @@ class Limits:
         if r.scheduler not in self.schedulers:
             raise InvalidRequest(f"unknown scheduler {r.scheduler!r}; choose one of {', '.join(self.schedulers)}")
         if not _whole(r.clip_skip) or not 0 <= r.clip_skip <= self.max_clip_skip:
+            if self.max_clip_skip == 0:  # FLUX.1 reads CLIP's pooled output only: there is no layer to skip to
+                raise InvalidRequest(
+                    f"clip_skip must be 0: this model skips no text encoder layers, got {r.clip_skip!r}"
+                )
             raise InvalidRequest(
                 f"clip_skip must be a whole number from 0 to {self.max_clip_skip}, got {r.clip_skip!r}"
             )
