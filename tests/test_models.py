@@ -188,6 +188,39 @@ def test_vae_matches_diffusers():
     assert rel_error(ours.decode(latents), nhwc(want_image)) < TOL
 
 
+# stabilityai/stable-diffusion-3.5-medium's and black-forest-labs/FLUX.1-dev's vae/config.json: the SD VAE's
+# blocks with 16 latent channels, no quant convolutions, a shift and a scale
+SD3_VAE = dict(
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=1.5305,
+    shift_factor=0.0609,
+)
+
+
+@pytest.mark.slow
+def test_the_16_channel_vae_at_its_real_shapes_matches_diffusers():
+    ref = randomize(TorchVAE(**SD3_VAE), std=0.02)
+    cfg = VAEConfig.from_dict(dict(ref.config))
+    ours = ours_from_torch(lambda: AutoencoderKL(cfg, nnx.Rngs(0)), ref)
+    rng = np.random.default_rng(2)
+    image = rng.uniform(-1, 1, (1, 64, 48, 3)).astype(np.float32)
+    latents = rng.standard_normal((1, 8, 6, 16)).astype(np.float32)  # NHWC, as ours takes them
+    with torch.no_grad():
+        want_moments = ref.encoder(nchw(image))  # no quant_conv
+        want_image = ref.decode(nchw(latents)).sample
+    mean, _ = ours.encode(image)
+    assert rel_error(mean, np.split(nhwc(want_moments), 2, axis=-1)[0]) < TOL
+    assert rel_error(ours.decode(latents), nhwc(want_image)) < TOL
+
+
 @pytest.mark.parametrize("layout", sorted(CLIP_LAYOUTS))
 @pytest.mark.parametrize("with_projection", [False, True])
 def test_clip_matches_transformers(layout, with_projection, tmp_path):
