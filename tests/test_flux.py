@@ -67,7 +67,9 @@ def flux(request, tmp_path_factory):
     reference = build_reference(request.param, tmp_path_factory)
     folder = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(folder)
-    return request.param, reference, load_pipeline(folder, safety_checker=False), folder
+    engine = load_pipeline(folder, safety_checker=False)
+    yield request.param, reference, engine, folder
+    engine.close()
 
 
 def latents(height: int, width: int, n: int = 2, seed: int = 0) -> np.ndarray:

@@ -74,7 +74,9 @@ def sd3(request, tmp_path_factory):
     reference = build_reference(layout, tmp_path_factory, with_t5)
     folder = tmp_path_factory.mktemp(layout)
     reference.save_pretrained(folder)
-    return reference, load_pipeline(folder, safety_checker=False), folder, request.param
+    engine = load_pipeline(folder, safety_checker=False)
+    yield reference, engine, folder, request.param
+    engine.close()
 
 
 def latents(n: int = 2, seed: int = 0) -> np.ndarray:
