@@ -14,6 +14,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 
 import jax
@@ -288,8 +289,12 @@ class Engine:
         return self
 
     def close(self) -> None:
+        """Stops the batcher and waits for this engine's background work (a compile under way, the preview fit):
+        nothing of a closed engine runs on, to race whatever the process does next."""
         self._batcher.close()
         self.programs.shutdown()
+        if self._preview is not None:
+            futures.wait([self._preview], timeout=300)
 
 
 def _start_previews(model: LoadedModel, params) -> Future:

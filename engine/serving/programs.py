@@ -260,4 +260,4 @@ class Programs:
         return jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params), (checker_params,)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # a compile under way finishes first
