@@ -34,6 +34,7 @@ def qkv(b: int, n: int, m: int, h: int, d: int, dtype=jnp.float32, seed: int = 0
         ((1, 256, 256, 1, 64), 64),  # SD 2.x: one 64-wide head
         ((2, 64, 64, 8, 40), 16),
         ((1, 96, 50, 3, 24), 96),  # one block: the whole
+        ((1, 4429 // 43, 77, 2, 16), 9),  # 103 queries, a prime: padded to whole blocks
     ],
 )
 def test_blockwise_attention_is_the_plain_one(shape, block):
@@ -55,6 +56,13 @@ def test_query_block_divides_the_queries_and_bounds_the_logits(b, n, m, h):
     block = attn.query_block((b, n, h, 64), m)
     assert n % block == 0
     assert 4 * b * h * block * m <= max(attn.CPU_BLOCK_BYTES, 4 * b * h * m)  # one query row at the least
+
+
+@pytest.mark.parametrize("n", [4429, 4608])  # SD3 (4096 + 333) and FLUX.1 (4096 + 512) at 1024x1024
+def test_a_token_count_without_a_near_divisor_gets_whole_padded_blocks_not_single_rows(n):
+    block = attn.query_block((1, n, 24, 64), n)
+    want = attn.CPU_BLOCK_BYTES // (4 * 24 * n)
+    assert want // 2 <= block <= want
 
 
 @pytest.mark.parametrize(
