@@ -120,12 +120,6 @@ def _defaults(
     return defaults, list(extra.get("example_prompts", []))
 
 
-def present(folder: ModelFolder, name: str) -> bool:
-    """Whether a folder holds component `name`: a sub-folder that model_index.json names with a class."""
-    entry = folder.index.get(name)
-    return folder.has(name) and isinstance(entry, list) and entry[-1] is not None
-
-
 def folder_family(folder: ModelFolder) -> Family:
     """The family of a folder's model_index.json class; a class we do not have is refused by name."""
     family = family_of(folder.class_name)
@@ -153,7 +147,7 @@ def load_model_folder(source: str | Path | None, dtype: str, t5: str = "device")
     configs = {
         name: cls.from_json(folder.component(name) / "config.json")
         for name, cls in family.configs.items()
-        if name not in left_out and (name not in family.optional or present(folder, name))
+        if name not in left_out and (name not in family.optional or folder.has(name))
     }
     denoiser_cfg, vae_cfg = configs[family.denoiser], configs["vae"]
     variant = find(family.name, denoiser_cfg.in_channels, where=folder.name)

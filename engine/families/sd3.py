@@ -76,7 +76,7 @@ def t5_extra_inputs(encoder: str, tokenizer: str, tokens: int) -> Any:
     or cut to `tokens`, when the folder has its T5 encoder (sub-folder `encoder`) and it was not left out."""
 
     def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any, host: Any) -> Any:
-        has_t5 = folder is not None and folder.has(encoder) and (index.get(encoder) or [None])[-1] is not None
+        has_t5 = folder is not None and folder.has(encoder)
         reader = T5Tokenizer(folder.component(tokenizer), tokens) if has_t5 else None
         return functools.partial(t5_inputs, tokenizer=reader, host=host)
 

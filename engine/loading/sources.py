@@ -39,7 +39,10 @@ class ModelFolder:
         return path
 
     def has(self, name: str) -> bool:
-        return (self.root / name).is_dir() and name in self.index
+        """Whether the folder holds component `name`: a sub-folder that model_index.json names with a class
+        (diffusers saves a left-out component, SD3 without T5, as [null, null])."""
+        entry = self.index.get(name)
+        return (self.root / name).is_dir() and isinstance(entry, list) and entry[-1] is not None
 
     def weight_files(self, name: str, variant: str | None = None) -> list[Path]:
         """The safetensors files of one component, preferring `variant` (e.g. "fp16") when present."""
