@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         "(off, SD3 only: zeros in its place)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=os.environ.get("JAX_SD_DTYPE") or "auto",
+        help="the networks' dtype (env JAX_SD_DTYPE): auto is bf16 on GPU/TPU and on a CPU with native bf16 where "
+        "the oneDNN kernels build (Debian: libdnnl-dev), else f32",
+    )
+    parser.add_argument(
         "--quantize",
         choices=("int8",),
         default=os.environ.get("JAX_SD_QUANTIZE") or None,
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             assert all(len(pair) == 2 for pair in sizes)
         except (ValueError, AssertionError):
             parser.error('--sizes must be "common" or a list like "512x512,768x512"')
+    if args.dtype not in ("auto", "float32", "bfloat16"):  # from JAX_SD_DTYPE
+        parser.error(f"--dtype (env JAX_SD_DTYPE) must be auto, float32 or bfloat16, not {args.dtype!r}")
     if args.quantize not in (None, "int8"):  # from JAX_SD_QUANTIZE: argparse checks only the command line
         parser.error(f"--quantize (env JAX_SD_QUANTIZE) must be int8, not {args.quantize!r}")
     if args.max_body_mb <= 0:
@@ -172,11 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO)
 
-    engine.pair_cores()  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
+    dtype = None if args.dtype == "auto" else args.dtype
+    engine.pair_cores(dtype)  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
     engine.enable_compile_cache()
     started = time.perf_counter()
     pipe = engine.load_pipeline(
         args.model,
+        dtype=dtype,
         max_batch_size=args.max_batch_size,
         sizes=sizes,
         safety_checker=not args.no_safety_checker,

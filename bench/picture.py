@@ -113,11 +113,11 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
     return pipe_dir, tiny_dir
 
 
-def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int]) -> dict:
+def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str) -> dict:
     from engine import load_pipeline, pair_cores
 
     pair_cores()  # as the app runs on a CPU host
-    pipe = load_pipeline(pipe_dir, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
+    pipe = load_pipeline(pipe_dir, dtype, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
     size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
 
     def picture(n: int) -> None:
@@ -150,14 +150,14 @@ def best(call, reps: int = 2) -> float:
     return best_time(call, reps)
 
 
-SYSTEMS = ("ours-taesd", "ours-kl", "diffusers-taesd", "diffusers-bf16-taesd", "diffusers-kl")
+SYSTEMS = ("ours-bf16-taesd", "ours-taesd", "ours-kl", "diffusers-taesd", "diffusers-bf16-taesd", "diffusers-kl")
 
 
 def worker(system: str, model: str, folder: Path, steps: list[int]) -> dict:
     pipe_dir, tiny_dir = write_models(model, folder)
     tiny = tiny_dir if system.endswith("taesd") else None
     if system.startswith("ours"):
-        return time_ours(pipe_dir, tiny, MODELS[model], steps)
+        return time_ours(pipe_dir, tiny, MODELS[model], steps, "bfloat16" if "bf16" in system else "float32")
     return time_diffusers(pipe_dir, tiny, MODELS[model], steps, bf16="bf16" in system)
 
 

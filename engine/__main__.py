@@ -46,7 +46,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="a VAE folder or Hub id in place of the model's own (madebyollin/taesd: a tiny one, fast on CPU)",
     )
     gen.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on GPU/TPU, f32 on CPU"
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default: bf16 on GPU/TPU and on a CPU with native bf16 and the oneDNN kernels, else f32",
     )
     gen.add_argument("--image", type=Path, default=None, help="start from this picture (image to image)")
     gen.add_argument("--mask", type=Path, default=None, help="with --image: redraw only the white part (inpainting)")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import ConfigError
     from .sampling.pairs import pair_cores
 
-    pair_cores()  # two CPU devices per image on a CPU host (engine/pairs.py), before JAX starts
+    pair_cores(args.dtype)  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
     enable_compile_cache()
     try:
         pictures = {}

@@ -7,4 +7,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # f32 means f32 on every backend (a GPU would otherwise multiply f32 matrices in TF32).
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# The suite compares f32 pictures with diffusers' f32: no host's bf16 default (tests that want bf16 ask for it).
+os.environ.setdefault("JAX_SD_DTYPE", "float32")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from . import onednn
 from .attention import dot_product_attention, softmax_attention  # noqa: F401 - the text encoder's plain path
 
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
@@ -44,8 +46,19 @@ def _inits(*names: str) -> dict:
     return dict.fromkeys(names, _shape) if _SHAPES_ONLY.get() else {}
 
 
-def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, **_inits("kernel_init", "bias_init"))
+class Linear(nnx.Linear):
+    """`nnx.Linear`, whose parameters and numbers it keeps; a bf16 kernel on the CPU runs in oneDNN (onednn.py)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        if not onednn.serves(kernel.dtype):
+            return super().__call__(x)
+        bias = self.bias[...] if self.bias is not None else None
+        return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
+
+
+def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> Linear:
+    return Linear(in_features, out_features, use_bias=bias, rngs=rngs, **_inits("kernel_init", "bias_init"))
 
 
 # CPU: a stride-1 convolution runs as one matrix product over its gathered taps (im2col) where it reads
@@ -67,12 +80,25 @@ def gathered_conv(backend: str, pixels: int, kernel_bytes: int) -> bool:
 
 
 class Conv(nnx.Conv):
-    """`nnx.Conv`, whose parameters and numbers it keeps; on the CPU, `gathered_conv`'s choice as one matrix product."""
+    """`nnx.Conv`, whose parameters and numbers it keeps; on the CPU a bf16 kernel runs in oneDNN (onednn.py),
+    an f32 one as `gathered_conv` chooses: XLA's convolution or one matrix product."""
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [batch, h, w, in] -> [batch, h, w, out]
         kh, kw = self.kernel_size
         b, h, w, c = x.shape
         kernel = self.kernel[...]
+        plain = (
+            self.kernel_dilation in (None, 1, (1, 1))
+            and self.input_dilation in (None, 1, (1, 1))
+            and self.feature_group_count == 1
+            and isinstance(self.padding, tuple | list)
+            and all(len(side) == 2 for side in self.padding)
+        )
+        if plain and onednn.serves(kernel.dtype):
+            bias = self.bias[...] if self.bias is not None else None
+            strides = (1, 1) if self.strides is None else tuple(np.broadcast_to(self.strides, 2).tolist())
+            out_dtype = jnp.result_type(x.dtype, kernel.dtype)
+            return onednn.conv(x, kernel, bias, strides, tuple(map(tuple, self.padding)), out_dtype)
         gathered = (
             (kh, kw) != (1, 1)
             and self.strides in (None, 1, (1, 1))

@@ -16,7 +16,9 @@ guided step 238 -> 156-182 ms, a guidance-off step level (125-148 against 121-15
 split (the text encoders at admission, the scheduler's arithmetic) runs whole on both devices.
 
 `pair_cores()` asks XLA for the two devices; it must run before JAX starts its backend (the app and
-the command line call it first thing). Without it, or off the CPU, nothing here changes a program.
+the command line call it first thing). Without it, or off the CPU, nothing here changes a program. Where the
+networks run in bf16 through oneDNN (`engine/nn/onednn.py`), it asks for none: oneDNN keeps every core busy
+within each call, and XLA would run the replicated custom calls once on each device of a pair.
 """
 
 from __future__ import annotations
@@ -26,19 +28,25 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ..nn import onednn
+
 DATA, PAIR = "data", "pair"  # the mesh's axes: slots over data groups, a group's core pair
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 SWITCH = "JAX_SD_CORE_PAIRS"  # "0": never; "1": on (set by pair_cores, inherited by child processes)
 
 
-def pair_cores() -> bool:
+def pair_cores(dtype: str | None = None) -> bool:
     """Asks XLA for two CPU devices where that helps: a host with 2 or more cores, the CPU platform, no
-    device count chosen already, JAX_SD_CORE_PAIRS not "0". Call before JAX starts its backends. Returns
-    whether this process runs core pairs (`asked()`)."""
+    device count chosen already, JAX_SD_CORE_PAIRS not "0", and networks that XLA runs itself (`dtype`, the
+    engine's: None for JAX_SD_DTYPE or the host's choice; bf16 through oneDNN takes no pair). Call before JAX
+    starts its backends. Returns whether this process runs core pairs (`asked()`)."""
     flags = os.environ.get("XLA_FLAGS", "")
     platforms = os.environ.get("JAX_PLATFORMS") or "cpu"
     if os.environ.get(SWITCH) == "0" or DEVICE_COUNT_FLAG in flags or "cpu" not in platforms.split(","):
         return asked()
+    dtype = dtype or os.environ.get("JAX_SD_DTYPE") or onednn.cpu_dtype()
+    if dtype == "bfloat16" and onednn.library() is not None:
+        return False
     if len(os.sched_getaffinity(0)) < 2 or _backends_started():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}=2".strip()

@@ -17,6 +17,7 @@ from ..loading.lora import load_lora, lora_factors
 from ..loading.quantize import MODES as QUANTIZE_MODES
 from ..loading.quantize import quantize_params
 from ..loading.vae import attach_vae, load_vae
+from ..nn import onednn
 from .engine import Engine
 
 
@@ -30,8 +31,18 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
     return path
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def default_dtype() -> str:
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    """JAX_SD_DTYPE when set; else bf16 on accelerators and, on a CPU, `onednn.cpu_dtype()`'s choice: bf16 where
+    the CPU has native bf16 and the oneDNN kernels are built, f32 elsewhere."""
+    chosen = os.environ.get("JAX_SD_DTYPE")
+    if chosen:
+        if chosen not in DTYPES:
+            raise ConfigError(f"JAX_SD_DTYPE={chosen!r} is not one of {', '.join(DTYPES)} (or unset: the host's best)")
+        return chosen
+    return onednn.cpu_dtype() if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def load_pipeline(
@@ -71,6 +82,8 @@ def load_pipeline(
             "quantizing replaces; start without one or the other"
         )
     dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)} (or None: the host's best)")
     model = load_model_folder(source, dtype, t5=t5)
     adapters = FAMILIES[model.family].adapters
     for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
