@@ -8,7 +8,8 @@ with the same VAE, on random-weight models of the shapes a CPU user picks.
 Each model is written once with diffusers (`save_pretrained`): the pipeline folder and a TAESD-shaped
 `AutoencoderTiny` folder beside it. Each system runs in a process of its own, the systems taking turns for
 `--rounds` rounds; each keeps its fastest picture (after a warm-up call) per step count. Systems:
-`ours` (f32, the app's core pair) with the model's own KL VAE and with the tiny one (`vae=`), `diffusers`
+`ours-bf16` (bf16 through oneDNN, engine/nn/onednn.py: the app's default on a CPU with native bf16), `ours`
+(f32, the app's core pair) with the model's own KL VAE and with the tiny one (`vae=`), `diffusers`
 f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diffusers-kl` f32 with the KL VAE.
 Prints one JSON line per system and the table; the 1-minute load average rides along (repeat above 2).
 """
@@ -116,7 +117,7 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
 def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str) -> dict:
     from engine import load_pipeline, pair_cores
 
-    pair_cores()  # as the app runs on a CPU host
+    pair_cores(dtype)  # as the app runs on a CPU host: core pairs in f32, none in bf16 through oneDNN
     pipe = load_pipeline(pipe_dir, dtype, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
     size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
 

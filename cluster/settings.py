@@ -15,7 +15,7 @@ from engine import DEFAULT_MAX_BATCH_SIZE
 @dataclass(frozen=True)
 class ClusterSettings:
     model: str | None = None  # Hub id or folder on every replica host; None: the embedded model
-    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
+    dtype: str | None = None  # None: the host's best (engine.serving.start.default_dtype)
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # pictures one replica draws at once
     sizes: str | tuple[tuple[int, int], ...] = "common"  # "common", or ((width, height), ...): the sizes offered
     images_per_device: int = 1  # the page's default; the warm-up compiles its width

@@ -116,6 +116,7 @@ def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
     monkeypatch.setattr(pairs.os, "environ", environ)
     monkeypatch.setattr(pairs, "_backends_started", lambda: False)
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pairs.onednn, "cpu_dtype", lambda: "float32")  # a host whose networks XLA runs itself
     assert pairs.pair_cores() and pairs.asked()
     assert environ == {"XLA_FLAGS": pairs.DEVICE_COUNT_FLAG + "=2", pairs.SWITCH: "1"}
     assert pairs.pair_cores()  # a child process inherits the answer
