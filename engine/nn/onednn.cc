@@ -74,6 +74,11 @@ struct Matmul {
   dnnl::matmul primitive;
 };
 
+struct BatchedMatmul {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul primitive;
+};
+
 struct Conv {
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward primitive;
@@ -83,6 +88,22 @@ struct Conv {
 std::mutex cache_lock;
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
+std::unordered_map<std::string, std::unique_ptr<BatchedMatmul>> batched;
+
+BatchedMatmul* batched_for(int64_t b, int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
+  std::lock_guard<std::mutex> guard(cache_lock);
+  auto& slot = batched[key_of({b, m, k, n, int64_t(src), int64_t(dst)})];
+  if (!slot) {
+    memory::desc x({b, m, k}, src, tag::abc), w({b, k, n}, src, tag::abc), y({b, m, n}, dst, tag::abc);
+#if DNNL_VERSION_MAJOR >= 3
+    dnnl::matmul::primitive_desc pd(cpu(), x, w, y, own_scratchpad());
+#else
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, y), own_scratchpad(), cpu());
+#endif
+    slot.reset(new BatchedMatmul{pd, dnnl::matmul(pd)});
+  }
+  return slot.get();
+}
 
 Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
   std::lock_guard<std::mutex> guard(cache_lock);
@@ -151,6 +172,29 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
   return ffi::Error::Success();
 }
 
+// x [B, M, K] @ y [B, K, N] -> [B, M, N], no bias: attention's products, one per (image, head).
+ffi::Error BatchedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out) {
+  memory::data_type src, dst;
+  if (!dtype_of(x.element_type(), &src) || !dtype_of(out->element_type(), &dst) || y.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("onednn_batched_matmul takes bf16 or f32 x and y alike");
+  auto xd = x.dimensions(), yd = y.dimensions();
+  if (xd.size() != 3 || yd.size() != 3 || xd[0] != yd[0] || xd[2] != yd[1])
+    return ffi::Error::InvalidArgument("onednn_batched_matmul takes x [B, M, K] and y [B, K, N]");
+  try {
+    BatchedMatmul* mm = batched_for(xd[0], xd[1], xd[2], yd[2], src, dst);
+    dnnl::stream stream(cpu());
+    memory xm(mm->pd.src_desc(), cpu(), x.untyped_data()), wm(mm->pd.weights_desc(), cpu(), y.untyped_data()),
+        ym(mm->pd.dst_desc(), cpu(), out->untyped_data());
+    memory scratch = scratchpad(mm->pd.scratchpad_desc());
+    mm->primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym},
+                                   {DNNL_ARG_SCRATCHPAD, scratch}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return failed(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                     ffi::Span<const int64_t> strides, ffi::Span<const int64_t> padding) {
   memory::data_type src, dst;
@@ -191,6 +235,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnBatchedMatmul, BatchedMatmulImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                               ffi::Ffi::Bind()

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SWITCH = "JAX_SD_ONEDNN"  # "0": never use oneDNN, whatever the host has
 SOURCE = Path(__file__).with_name("onednn.cc")
-MATMUL, CONV = "jax_sd_onednn_matmul", "jax_sd_onednn_conv"
+MATMUL, CONV, BATCHED = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_batched_matmul"
 
 
 def native_bf16() -> bool:
@@ -129,6 +129,7 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(handlers.OnednnMatmul), platform="cpu")
     jax.ffi.register_ffi_target(CONV, jax.ffi.pycapsule(handlers.OnednnConv), platform="cpu")
+    jax.ffi.register_ffi_target(BATCHED, jax.ffi.pycapsule(handlers.OnednnBatchedMatmul), platform="cpu")
     log.info("oneDNN kernels on: bf16 matrix products and convolutions on the CPU")
     return True
 
@@ -155,6 +156,13 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
     flat = x.reshape(-1, k).astype(kernel.dtype)
     call = jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((flat.shape[0], n), out_dtype), vmap_method="sequential")
     return call(flat, kernel, _bias(bias, n)).reshape(*x.shape[:-1], n)
+
+
+def batched_matmul(x: jax.Array, y: jax.Array, out_dtype) -> jax.Array:
+    """x [B, M, K] @ y [B, K, N] -> [B, M, N] in out_dtype, both cast to bf16."""
+    b, m, _ = x.shape
+    call = jax.ffi.ffi_call(BATCHED, jax.ShapeDtypeStruct((b, m, y.shape[2]), out_dtype), vmap_method="sequential")
+    return call(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
 
 
 def conv(
