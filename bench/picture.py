@@ -10,7 +10,10 @@ Each model is written once with diffusers (`save_pretrained`): the pipeline fold
 `--rounds` rounds; each keeps its fastest picture (after a warm-up call) per step count. Systems:
 `ours-bf16` (bf16 through oneDNN, engine/nn/onednn.py: the app's default on a CPU with native bf16), `ours`
 (f32, the app's core pair) with the model's own KL VAE and with the tiny one (`vae=`), `diffusers`
-f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diffusers-kl` f32 with the KL VAE.
+f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diffusers-kl` f32 with the KL VAE, and
+`openvino-taesd` (asked for by name, after `pip install --no-deps -r bench/requirements-openvino.txt`): FastSD CPU's
+recipe, the text encoder, UNet and tiny decoder converted to OpenVINO (`time_openvino`). optimum-intel, FastSD CPU's
+loader, is not used: it requires torchvision, which breaks against the pinned CPU torch.
 Prints one JSON line per system and the table; the 1-minute load average rides along (repeat above 2).
 """
 
@@ -146,17 +149,84 @@ def time_diffusers(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: lis
     return {n: best(lambda n=n: picture(n)) for n in steps}
 
 
+def time_openvino(pipe_dir: Path, tiny_dir: Path, spec: dict, steps: list[int]) -> dict:
+    """FastSD CPU's recipe without its app: the text encoder, the UNet and the TAESD decoder converted to OpenVINO
+    (`openvino.convert_model` from the same diffusers modules; bench/requirements-openvino.txt) and compiled for
+    the CPU in the precision OpenVINO picks there (bf16 where native), the scheduler diffusers' own."""
+    import numpy as np
+    import openvino as ov
+    import torch
+    from diffusers import AutoencoderTiny, StableDiffusionPipeline
+
+    if spec["guidance"] > 1:
+        raise SystemExit("openvino-taesd runs the unguided models only (one UNet row a step)")
+    pipe = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    tiny = AutoencoderTiny.from_pretrained(tiny_dir)
+    size, cores = spec["size"], len(os.sched_getaffinity(0))
+    side = size // pipe.vae_scale_factor
+    ids = pipe.tokenizer("a photo of a cat", padding="max_length", max_length=77, return_tensors="pt").input_ids
+    core = ov.Core()
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": cores}
+
+    class Unet(torch.nn.Module):
+        def forward(self, sample, timestep, states):
+            return pipe.unet(sample, timestep, states, return_dict=False)[0]
+
+    class Text(torch.nn.Module):
+        def forward(self, input_ids):
+            return pipe.text_encoder(input_ids, return_dict=False)[0]
+
+    class Decoder(torch.nn.Module):
+        def forward(self, latents):
+            return tiny.decode(latents, return_dict=False)[0]
+
+    with torch.no_grad():
+        states = pipe.text_encoder(ids, return_dict=False)[0]
+        latent = torch.zeros(1, pipe.unet.config.in_channels, side, side)
+        text = core.compile_model(ov.convert_model(Text(), example_input=(ids,)), "CPU", config)
+        unet = core.compile_model(
+            ov.convert_model(Unet(), example_input=(latent, torch.tensor([999.0]), states)), "CPU", config
+        )
+        decoder = core.compile_model(ov.convert_model(Decoder(), example_input=(latent,)), "CPU", config)
+    print("openvino precision:", unet.get_property("INFERENCE_PRECISION_HINT"), file=sys.stderr)
+    scheduler = pipe.scheduler
+
+    def picture(n: int) -> None:
+        tokens = pipe.tokenizer("a photo of a cat", padding="max_length", max_length=77, return_tensors="np")
+        hidden = text(tokens.input_ids)[0]
+        scheduler.set_timesteps(n)
+        latents = torch.randn(1, pipe.unet.config.in_channels, side, side) * scheduler.init_noise_sigma
+        for t in scheduler.timesteps:
+            x = scheduler.scale_model_input(latents, t)
+            eps = torch.from_numpy(unet([x.numpy(), np.array([float(t)], np.float32), hidden])[0])
+            latents = scheduler.step(eps, t, latents).prev_sample
+        image = decoder(latents.numpy())[0]
+        pipe.image_processor.postprocess(torch.from_numpy(image), output_type="pil")
+
+    return {n: best(lambda n=n: picture(n)) for n in steps}
+
+
 def best(call, reps: int = 2) -> float:
     call()  # warm-up: compiles (ours) or fills caches (PyTorch)
     return best_time(call, reps)
 
 
-SYSTEMS = ("ours-bf16-taesd", "ours-taesd", "ours-kl", "diffusers-taesd", "diffusers-bf16-taesd", "diffusers-kl")
+SYSTEMS = (
+    "ours-bf16-taesd",
+    "ours-taesd",
+    "ours-kl",
+    "diffusers-taesd",
+    "diffusers-bf16-taesd",
+    "diffusers-kl",
+    "openvino-taesd",
+)
 
 
 def worker(system: str, model: str, folder: Path, steps: list[int]) -> dict:
     pipe_dir, tiny_dir = write_models(model, folder)
     tiny = tiny_dir if system.endswith("taesd") else None
+    if system == "openvino-taesd":
+        return time_openvino(pipe_dir, tiny_dir, MODELS[model], steps)
     if system.startswith("ours"):
         return time_ours(pipe_dir, tiny, MODELS[model], steps, "bfloat16" if "bf16" in system else "float32")
     return time_diffusers(pipe_dir, tiny, MODELS[model], steps, bf16="bf16" in system)
@@ -167,7 +237,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="sd-turbo")
     parser.add_argument("--steps", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=[s for s in SYSTEMS if s != "openvino-taesd"])
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "jax-sd-bench-picture")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -305,6 +305,7 @@ class LocalCluster:
             "GRADIO_TEMP_DIR": str(workdir / "gradio"),
             "GRADIO_ANALYTICS_ENABLED": "False",
             "HF_HUB_OFFLINE": "1",
+            "JAX_SD_DTYPE": "float32",  # the single-machine pictures they are compared with
             "PYTHONPATH": str(ROOT),  # the replicas import `cluster` and `engine` from this checkout
         }
         self.port = free_port()
