@@ -168,26 +168,30 @@ def time_openvino(pipe_dir: Path, tiny_dir: Path, spec: dict, steps: list[int]) 
     core = ov.Core()
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": cores}
 
-    class Unet(torch.nn.Module):
-        def forward(self, sample, timestep, states):
-            return pipe.unet(sample, timestep, states, return_dict=False)[0]
+    class Wrapped(torch.nn.Module):  # one network, its first output as a plain tensor
+        def __init__(self, network, call):
+            super().__init__()
+            self.network, self.call = network.requires_grad_(False), call
 
-    class Text(torch.nn.Module):
-        def forward(self, input_ids):
-            return pipe.text_encoder(input_ids, return_dict=False)[0]
-
-    class Decoder(torch.nn.Module):
-        def forward(self, latents):
-            return tiny.decode(latents, return_dict=False)[0]
+        def forward(self, *inputs):
+            return self.call(self.network, *inputs)
 
     with torch.no_grad():
         states = pipe.text_encoder(ids, return_dict=False)[0]
         latent = torch.zeros(1, pipe.unet.config.in_channels, side, side)
-        text = core.compile_model(ov.convert_model(Text(), example_input=(ids,)), "CPU", config)
-        unet = core.compile_model(
-            ov.convert_model(Unet(), example_input=(latent, torch.tensor([999.0]), states)), "CPU", config
+        networks = dict(
+            text=(pipe.text_encoder, lambda m, i: m(i, return_dict=False)[0], (ids,)),
+            unet=(
+                pipe.unet,
+                lambda m, x, t, s: m(x, t, s, return_dict=False)[0],
+                (latent, torch.tensor([999.0]), states),
+            ),
+            decoder=(tiny, lambda m, x: m.decode(x, return_dict=False)[0], (latent,)),
         )
-        decoder = core.compile_model(ov.convert_model(Decoder(), example_input=(latent,)), "CPU", config)
+        text, unet, decoder = (
+            core.compile_model(ov.convert_model(Wrapped(network, call), example_input=example), "CPU", config)
+            for network, call, example in networks.values()
+        )
     print("openvino precision:", unet.get_property("INFERENCE_PRECISION_HINT"), file=sys.stderr)
     scheduler = pipe.scheduler
 
