@@ -176,20 +176,29 @@ def test_an_unknown_jax_sd_dtype_is_refused_by_name(monkeypatch, value):
     "b, n, m, h, d",
     [
         (1, 1024, 1024, 5, 64),  # self-attention in query blocks (SD 2.1's first level, smaller)
-        (2, 333, 333, 3, 40),  # a token count with no near divisor: padded to whole blocks
+        (2, 333, 333, 3, 40),  # a token count that is no multiple of the 64-query block
         (2, 256, 77, 8, 64),  # cross-attention to the text
     ],
 )
-def test_bf16_attention_on_the_cpu_runs_both_products_in_onednn(kernels, b, n, m, h, d):
+def test_bf16_attention_on_the_cpu_runs_in_one_onednn_call(kernels, b, n, m, h, d):
     from engine.nn import attention as attn
 
     r = np.random.RandomState(0)
     q, k, v = (jnp.asarray(r.randn(b, t, h, d).astype(np.float32), jnp.bfloat16) for t in (n, m, m))
     assert attn.attention_kind("cpu", q, k) == "onednn"
     program = jax.jit(attn.dot_product_attention)
-    assert program.lower(q, k, v).as_text().count(onednn.BATCHED) == 2
+    assert program.lower(q, k, v).as_text().count(onednn.ATTENTION) == 1
     got = program(q, k, v)
     want = attn.softmax_attention(exact(q), exact(k), exact(v))
     assert got.dtype == jnp.bfloat16 and got.shape == (b, n, h, d)
     # bf16 weights into the second product and a bf16 output: about bf16's resolution of the values.
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+def test_an_image_with_a_nan_gets_nan_out_and_the_others_their_attention(kernels):
+    r = np.random.RandomState(1)
+    q, k, v = (jnp.asarray(r.randn(2, 70, 2, 16).astype(np.float32), jnp.bfloat16) for _ in range(3))
+    broken = k.at[1, 3, 0, 0].set(jnp.nan)  # a diverged picture in slot 1
+    got = np.asarray(onednn.attention(q, broken, v), np.float32)
+    assert np.isnan(got[1]).all() and np.isfinite(got[0]).all()
+    np.testing.assert_allclose(got[0], np.asarray(onednn.attention(q, k, v), np.float32)[0])

@@ -1,4 +1,4 @@
-// oneDNN's matrix product and convolution as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py).
+// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py).
 //
 // Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC,
 // kernel HWIO (flax's layout), bias [O] (f32), out NHWC. x and the kernel share a dtype (bf16 or f32); the
@@ -8,6 +8,10 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -74,11 +78,6 @@ struct Matmul {
   dnnl::matmul primitive;
 };
 
-struct BatchedMatmul {
-  dnnl::matmul::primitive_desc pd;
-  dnnl::matmul primitive;
-};
-
 struct Conv {
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward primitive;
@@ -88,22 +87,6 @@ struct Conv {
 std::mutex cache_lock;
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
-std::unordered_map<std::string, std::unique_ptr<BatchedMatmul>> batched;
-
-BatchedMatmul* batched_for(int64_t b, int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
-  std::lock_guard<std::mutex> guard(cache_lock);
-  auto& slot = batched[key_of({b, m, k, n, int64_t(src), int64_t(dst)})];
-  if (!slot) {
-    memory::desc x({b, m, k}, src, tag::abc), w({b, k, n}, src, tag::abc), y({b, m, n}, dst, tag::abc);
-#if DNNL_VERSION_MAJOR >= 3
-    dnnl::matmul::primitive_desc pd(cpu(), x, w, y, own_scratchpad());
-#else
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, y), own_scratchpad(), cpu());
-#endif
-    slot.reset(new BatchedMatmul{pd, dnnl::matmul(pd)});
-  }
-  return slot.get();
-}
 
 Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
   std::lock_guard<std::mutex> guard(cache_lock);
@@ -172,26 +155,150 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
   return ffi::Error::Success();
 }
 
-// x [B, M, K] @ y [B, K, N] -> [B, M, N], no bias: attention's products, one per (image, head).
-ffi::Error BatchedMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out) {
-  memory::data_type src, dst;
-  if (!dtype_of(x.element_type(), &src) || !dtype_of(out->element_type(), &dst) || y.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("onednn_batched_matmul takes bf16 or f32 x and y alike");
-  auto xd = x.dimensions(), yd = y.dimensions();
-  if (xd.size() != 3 || yd.size() != 3 || xd[0] != yd[0] || xd[2] != yd[1])
-    return ffi::Error::InvalidArgument("onednn_batched_matmul takes x [B, M, K] and y [B, K, N]");
-  try {
-    BatchedMatmul* mm = batched_for(xd[0], xd[1], xd[2], yd[2], src, dst);
-    dnnl::stream stream(cpu());
-    memory xm(mm->pd.src_desc(), cpu(), x.untyped_data()), wm(mm->pd.weights_desc(), cpu(), y.untyped_data()),
-        ym(mm->pd.dst_desc(), cpu(), out->untyped_data());
-    memory scratch = scratchpad(mm->pd.scratchpad_desc());
-    mm->primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym},
-                                   {DNNL_ARG_SCRATCHPAD, scratch}});
-    stream.wait();
-  } catch (const dnnl::error& e) {
-    return failed(e.what());
+// softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (bf16), out [B, N, H, D]: for each
+// (image, head, block of queries) on a thread of its own, the logits [rows, M] from oneDNN (single-threaded inside
+// the parallel loop), the softmax over them while they are in the cache, the weights as bf16 into the second
+// product, then each row divided by its sum. Nothing the size of all the logits is ever written.
+constexpr int64_t kAttentionRows = 64;
+
+struct AttentionPrims {
+  dnnl::matmul::primitive_desc logits_pd, out_pd;
+  dnnl::matmul logits, out;
+};
+
+std::unordered_map<std::string, std::unique_ptr<AttentionPrims>> attentions;
+
+AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t h, int64_t d) {
+  std::lock_guard<std::mutex> guard(cache_lock);
+  auto& slot = attentions[key_of({rows, m, h, d})];
+  if (!slot) {
+    auto bf16 = memory::data_type::bf16, f32 = memory::data_type::f32;
+    memory::desc q({rows, d}, bf16, memory::dims{h * d, 1}), k_t({d, m}, bf16, memory::dims{1, h * d}),
+        logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab), v({m, d}, bf16, memory::dims{h * d, 1}),
+        out({rows, d}, f32, tag::ab);
+#if DNNL_VERSION_MAJOR >= 3
+    dnnl::matmul::primitive_desc logits_pd(cpu(), q, k_t, logits, own_scratchpad());
+    dnnl::matmul::primitive_desc out_pd(cpu(), weights, v, out, own_scratchpad());
+#else
+    dnnl::matmul::primitive_desc logits_pd(dnnl::matmul::desc(q, k_t, logits), own_scratchpad(), cpu());
+    dnnl::matmul::primitive_desc out_pd(dnnl::matmul::desc(weights, v, out), own_scratchpad(), cpu());
+#endif
+    slot.reset(new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)});
   }
+  return slot.get();
+}
+
+inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDNN's conversions
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+thread_local Buffer logits_buffer, weights_buffer, out_buffer, attention_scratch;
+
+// Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
+// Compiled twice (AVX-512 and plain x86-64; the loader picks by the CPU) so that -ffast-math vectorises exp.
+__attribute__((target_clones("avx512f", "default"))) void softmax_rows(float* logits, uint16_t* weights,
+                                                                        float* sums, int64_t rows, int64_t m,
+                                                                        float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * m;
+    float top = row[0];
+    for (int64_t j = 1; j < m; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < m; ++j) {
+      float e = std::exp((row[j] - top) * scale);
+      total += e;
+      row[j] = e;
+    }
+    uint16_t* w = weights + r * m;
+    for (int64_t j = 0; j < m; ++j) w[j] = to_bf16(row[j]);
+    sums[r] = total;
+  }
+}
+
+// Whether a bf16 array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted to
+// carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
+bool non_finite(const uint16_t* a, int64_t count) {
+  uint16_t any = 0;
+  for (int64_t i = 0; i < count; ++i) any |= uint16_t((a[i] & 0x7F80) == 0x7F80);
+  return any != 0;
+}
+
+ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
+                         float scale) {
+  if (q.element_type() != ffi::DataType::BF16 || k.element_type() != ffi::DataType::BF16 ||
+      v.element_type() != ffi::DataType::BF16 ||
+      (out->element_type() != ffi::DataType::BF16 && out->element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("onednn_attention takes bf16 q, k and v and gives bf16 or f32");
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
+    return ffi::Error::InvalidArgument("onednn_attention takes q [B, N, H, D] and k, v [B, M, H, D]");
+  const int64_t b = qd[0], n = qd[1], h = qd[2], d = qd[3], m = kd[1];
+  const int64_t blocks = (n + kAttentionRows - 1) / kAttentionRows, tasks = b * h * blocks;
+  const bool bf16_out = out->element_type() == ffi::DataType::BF16;
+  auto* qp = static_cast<const uint16_t*>(q.untyped_data());
+  auto* kp = static_cast<const uint16_t*>(k.untyped_data());
+  auto* vp = static_cast<const uint16_t*>(v.untyped_data());
+  void* op = out->untyped_data();
+  AttentionPrims* full = attention_for(std::min(n, kAttentionRows), m, h, d);
+  AttentionPrims* tail = n % kAttentionRows ? attention_for(n % kAttentionRows, m, h, d) : full;
+  std::string error;
+  std::vector<char> broken(b);
+#pragma omp parallel for
+  for (int64_t image = 0; image < b; ++image)
+    broken[image] = non_finite(qp + image * n * h * d, n * h * d) || non_finite(kp + image * m * h * d, m * h * d) ||
+                    non_finite(vp + image * m * h * d, m * h * d);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t block = task % blocks, head = (task / blocks) % h, image = task / (blocks * h);
+    const int64_t row0 = block * kAttentionRows, rows = std::min(kAttentionRows, n - row0);
+    if (broken[image]) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < d; ++c) {
+          const int64_t at = ((image * n + row0 + r) * h + head) * d + c;
+          if (bf16_out) static_cast<uint16_t*>(op)[at] = 0x7FC0;
+          else static_cast<float*>(op)[at] = std::numeric_limits<float>::quiet_NaN();
+        }
+      continue;
+    }
+    AttentionPrims* prims = rows == std::min(n, kAttentionRows) ? full : tail;
+    try {
+      dnnl::stream stream(cpu());
+      float* logits = static_cast<float*>(logits_buffer.at_least(rows * m * 4));
+      uint16_t* weights = static_cast<uint16_t*>(weights_buffer.at_least(rows * m * 2));
+      float* result = static_cast<float*>(out_buffer.at_least(rows * d * 4));
+      const int64_t q_at = ((image * n + row0) * h + head) * d, kv_at = (image * m * h + head) * d;
+      memory qm(prims->logits_pd.src_desc(), cpu(), const_cast<uint16_t*>(qp + q_at)),
+          km(prims->logits_pd.weights_desc(), cpu(), const_cast<uint16_t*>(kp + kv_at)),
+          lm(prims->logits_pd.dst_desc(), cpu(), logits),
+          s1(prims->logits_pd.scratchpad_desc(), cpu(),
+             attention_scratch.at_least(std::max<size_t>(prims->logits_pd.scratchpad_desc().get_size(),
+                                                         prims->out_pd.scratchpad_desc().get_size()) + 64));
+      prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
+                                     {DNNL_ARG_SCRATCHPAD, s1}});
+      std::vector<float> sums(rows);
+      softmax_rows(logits, weights, sums.data(), rows, m, scale);
+      memory wm(prims->out_pd.src_desc(), cpu(), weights),
+          vm(prims->out_pd.weights_desc(), cpu(), const_cast<uint16_t*>(vp + kv_at)),
+          om(prims->out_pd.dst_desc(), cpu(), result), s2(prims->out_pd.scratchpad_desc(), cpu(), s1.get_data_handle());
+      prims->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
+                                  {DNNL_ARG_SCRATCHPAD, s2}});
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inverse = 1.f / sums[r];
+        const int64_t at = q_at + r * h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          float value = result[r * d + c] * inverse;
+          if (bf16_out) static_cast<uint16_t*>(op)[at + c] = to_bf16(value);
+          else static_cast<float*>(op)[at + c] = value;
+        }
+      }
+    } catch (const dnnl::error& e) {
+#pragma omp critical
+      error = e.what();
+    }
+  }
+  if (!error.empty()) return failed(error.c_str());
   return ffi::Error::Success();
 }
 
@@ -236,8 +343,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnBatchedMatmul, BatchedMatmulImpl,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                               ffi::Ffi::Bind()

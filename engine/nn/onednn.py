@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SWITCH = "JAX_SD_ONEDNN"  # "0": never use oneDNN, whatever the host has
 SOURCE = Path(__file__).with_name("onednn.cc")
-MATMUL, CONV, BATCHED = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_batched_matmul"
+MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 
 
 def native_bf16() -> bool:
@@ -97,7 +97,7 @@ def build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
         command = [
-            compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
+            compiler, "-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
             f"-I{jax.ffi.include_dir()}", f"-I{include}", str(SOURCE), "-o", str(partial),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl",
         ]  # fmt: skip
@@ -129,7 +129,7 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(handlers.OnednnMatmul), platform="cpu")
     jax.ffi.register_ffi_target(CONV, jax.ffi.pycapsule(handlers.OnednnConv), platform="cpu")
-    jax.ffi.register_ffi_target(BATCHED, jax.ffi.pycapsule(handlers.OnednnBatchedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(handlers.OnednnAttention), platform="cpu")
     log.info("oneDNN kernels on: bf16 matrix products and convolutions on the CPU")
     return True
 
@@ -158,11 +158,12 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
     return call(flat, kernel, _bias(bias, n)).reshape(*x.shape[:-1], n)
 
 
-def batched_matmul(x: jax.Array, y: jax.Array, out_dtype) -> jax.Array:
-    """x [B, M, K] @ y [B, K, N] -> [B, M, N] in out_dtype, both cast to bf16."""
-    b, m, _ = x.shape
-    call = jax.ffi.ffi_call(BATCHED, jax.ShapeDtypeStruct((b, m, y.shape[2]), out_dtype), vmap_method="sequential")
-    return call(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
+    head and block of 64 queries, the logits from oneDNN, their softmax in f32 while they are in the cache, the
+    weights in bf16 into oneDNN's second product. q, k and v are cast to bf16; the output is q's dtype."""
+    call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    return call(*(a.astype(jnp.bfloat16) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))
 
 
 def conv(
