@@ -4,8 +4,8 @@
 `Transformer2DModel`'s pieces) and `attention.py` the backend's best attention path (query blocks on a CPU,
 cuDNN's fused attention on a GPU, Pallas flash attention on a TPU); `dit.py` the pieces of the diffusion
 transformers (adaLN modulation, q/k RMS norm, the tanh-GELU feed-forward, timestep + pooled-text conditioning);
-`onednn.py` (with its C++ handlers, `onednn.cc`) the CPU's bf16 matrix products and convolutions in oneDNN,
-which `Linear` and `Conv` call where their kernel is bf16 on the CPU.
+`onednn.py` (with its C++ handlers, `onednn.cc`) the CPU's bf16 matrix products, convolutions and attention in
+oneDNN, which `Linear`, `Conv` and `attention.py` call where they run in bf16 on the CPU.
 NHWC throughout.
 
 May import: jax, flax, numpy. Nothing of the engine: this is the bottom layer.

@@ -1,7 +1,7 @@
 // oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py).
 //
 // Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC,
-// kernel HWIO (flax's layout), bias [O] (f32), out NHWC. x and the kernel share a dtype (bf16 or f32); the
+// kernel HWIO (flax's layout), bias [O] (f32), out NHWC; attention's q, k, v [batch, tokens, heads, head_dim]. x and the kernel share a dtype (bf16 or f32); the
 // output's dtype is the call's own (bf16 src with f32 dst is what keeps a network's activations in f32).
 // Each shape's primitive is built once and kept; a convolution's kernel is reordered into the layout
 // oneDNN picks on every call (as PyTorch's eager bf16 convolution does), the activations are used in place.
@@ -9,15 +9,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -88,29 +88,41 @@ std::mutex cache_lock;
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
 
-Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
+// The primitive kept for `key`, made by `make` the first time it is asked for.
+template <class T, class Make>
+T* cached(std::unordered_map<std::string, std::unique_ptr<T>>& cache, const std::string& key, Make make) {
   std::lock_guard<std::mutex> guard(cache_lock);
-  auto& slot = matmuls[key_of({m, k, n, int64_t(src), int64_t(dst)})];
-  if (!slot) {
+  auto& slot = cache[key];
+  if (!slot) slot.reset(make());
+  return slot.get();
+}
+
+// A matmul's primitive descriptor in either oneDNN API (bias optional).
+dnnl::matmul::primitive_desc matmul_pd(const memory::desc& x, const memory::desc& w, const memory::desc* bias,
+                                       const memory::desc& y) {
+#if DNNL_VERSION_MAJOR >= 3
+  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, own_scratchpad())
+              : dnnl::matmul::primitive_desc(cpu(), x, w, y, own_scratchpad());
+#else
+  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y),
+                                      own_scratchpad(), cpu());
+#endif
+}
+
+Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
+  return cached(matmuls, key_of({m, k, n, int64_t(src), int64_t(dst)}), [&] {
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
         y({m, n}, dst, tag::ab);
-#if DNNL_VERSION_MAJOR >= 3
-    dnnl::matmul::primitive_desc pd(cpu(), x, w, b, y, own_scratchpad());
-#else
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, b, y), own_scratchpad(), cpu());
-#endif
-    slot.reset(new Matmul{pd, dnnl::matmul(pd)});
-  }
-  return slot.get();
+    auto pd = matmul_pd(x, w, &b, y);
+    return new Matmul{pd, dnnl::matmul(pd)};
+  });
 }
 
 Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst) {
   // d: batch, h, w, in, kh, kw, out, out_h, out_w, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right
-  std::lock_guard<std::mutex> guard(cache_lock);
   std::string key = key_of({d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
                             d[14], int64_t(src), int64_t(dst)});
-  auto& slot = convs[key];
-  if (!slot) {
+  return cached(convs, key, [&] {
     memory::desc x({d[0], d[3], d[1], d[2]}, src, tag::nhwc), y({d[0], d[6], d[7], d[8]}, dst, tag::nhwc),
         w_any({d[6], d[3], d[4], d[5]}, src, tag::any), w_given({d[6], d[3], d[4], d[5]}, src, tag::hwio),
         b({d[6]}, memory::data_type::f32, tag::a);
@@ -125,9 +137,8 @@ Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst) {
                                         w_any, b, y, strides, pad_l, pad_r),
         own_scratchpad(), cpu());
 #endif
-    slot.reset(new Conv{pd, dnnl::convolution_forward(pd), w_given});
-  }
-  return slot.get();
+    return new Conv{pd, dnnl::convolution_forward(pd), w_given};
+  });
 }
 
 ffi::Error failed(const char* what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
@@ -169,23 +180,14 @@ struct AttentionPrims {
 std::unordered_map<std::string, std::unique_ptr<AttentionPrims>> attentions;
 
 AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t h, int64_t d) {
-  std::lock_guard<std::mutex> guard(cache_lock);
-  auto& slot = attentions[key_of({rows, m, h, d})];
-  if (!slot) {
+  return cached(attentions, key_of({rows, m, h, d}), [&] {
     auto bf16 = memory::data_type::bf16, f32 = memory::data_type::f32;
     memory::desc q({rows, d}, bf16, memory::dims{h * d, 1}), k_t({d, m}, bf16, memory::dims{1, h * d}),
         logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab), v({m, d}, bf16, memory::dims{h * d, 1}),
         out({rows, d}, f32, tag::ab);
-#if DNNL_VERSION_MAJOR >= 3
-    dnnl::matmul::primitive_desc logits_pd(cpu(), q, k_t, logits, own_scratchpad());
-    dnnl::matmul::primitive_desc out_pd(cpu(), weights, v, out, own_scratchpad());
-#else
-    dnnl::matmul::primitive_desc logits_pd(dnnl::matmul::desc(q, k_t, logits), own_scratchpad(), cpu());
-    dnnl::matmul::primitive_desc out_pd(dnnl::matmul::desc(weights, v, out), own_scratchpad(), cpu());
-#endif
-    slot.reset(new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)});
-  }
-  return slot.get();
+    auto logits_pd = matmul_pd(q, k_t, nullptr, logits), out_pd = matmul_pd(weights, v, nullptr, out);
+    return new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)};
+  });
 }
 
 inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDNN's conversions
@@ -194,7 +196,7 @@ inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDN
   return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-thread_local Buffer logits_buffer, weights_buffer, out_buffer, attention_scratch;
+thread_local Buffer logits_buffer, weights_buffer, out_buffer;
 
 // Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
 // Compiled twice (AVX-512 and plain x86-64; the loader picks by the CPU) so that -ffast-math vectorises exp.
@@ -271,17 +273,14 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       const int64_t q_at = ((image * n + row0) * h + head) * d, kv_at = (image * m * h + head) * d;
       memory qm(prims->logits_pd.src_desc(), cpu(), const_cast<uint16_t*>(qp + q_at)),
           km(prims->logits_pd.weights_desc(), cpu(), const_cast<uint16_t*>(kp + kv_at)),
-          lm(prims->logits_pd.dst_desc(), cpu(), logits),
-          s1(prims->logits_pd.scratchpad_desc(), cpu(),
-             attention_scratch.at_least(std::max<size_t>(prims->logits_pd.scratchpad_desc().get_size(),
-                                                         prims->out_pd.scratchpad_desc().get_size()) + 64));
+          lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
       prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
                                      {DNNL_ARG_SCRATCHPAD, s1}});
       std::vector<float> sums(rows);
       softmax_rows(logits, weights, sums.data(), rows, m, scale);
       memory wm(prims->out_pd.src_desc(), cpu(), weights),
           vm(prims->out_pd.weights_desc(), cpu(), const_cast<uint16_t*>(vp + kv_at)),
-          om(prims->out_pd.dst_desc(), cpu(), result), s2(prims->out_pd.scratchpad_desc(), cpu(), s1.get_data_handle());
+          om(prims->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(prims->out_pd.scratchpad_desc());
       prims->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
                                   {DNNL_ARG_SCRATCHPAD, s2}});
       for (int64_t r = 0; r < rows; ++r) {

@@ -1,4 +1,4 @@
-"""oneDNN's bf16 matrix products and convolutions on the CPU, as XLA custom calls.
+"""oneDNN's bf16 matrix products, convolutions and attention on the CPU, as XLA custom calls.
 
 XLA's CPU backend runs bf16 dots and convolutions no faster than f32 (Zen 4/5, 2 cores: a 4096x1280x1280
 matmul 324 GFLOP/s in bf16 against 448 in f32); oneDNN runs them on the CPU's native bf16 instructions
@@ -6,6 +6,7 @@ matmul 324 GFLOP/s in bf16 against 448 in f32); oneDNN runs them on the CPU's na
 layer's kernel is bf16 on the CPU and `available()`, `layers.Linear` and `layers.Conv` call `matmul` and
 `conv` here: the kernel stays bf16, the activations are cast to bf16 on the way in and come out in the dtype
 the layer would give (f32 from an f32 input), with f32 accumulation and an f32 bias, as oneDNN computes.
+bf16 attention on the CPU is `attention` here (nn/attention.py's "onednn" kind).
 
 The handlers (`onednn.cc`) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
 JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's oneDNN (Debian: `libdnnl-dev`;
@@ -130,7 +131,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(handlers.OnednnMatmul), platform="cpu")
     jax.ffi.register_ffi_target(CONV, jax.ffi.pycapsule(handlers.OnednnConv), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(handlers.OnednnAttention), platform="cpu")
-    log.info("oneDNN kernels on: bf16 matrix products and convolutions on the CPU")
+    log.info("oneDNN kernels on: bf16 matrix products, convolutions and attention on the CPU")
     return True
 
 
