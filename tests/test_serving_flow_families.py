@@ -55,15 +55,19 @@ def noise(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 16, LATENT, LATENT)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    """The tiny SD3 folder (with T5) as diffusers' text-to-image pipeline, our engine, and the folder."""
-    reference = build_sd3("sd3", tmp_path_factory)
-    folder = tmp_path_factory.mktemp("sd3")
+def served(reference, name: str, tmp_path_factory):
+    """diffusers' pipeline, our engine on the folder it writes, and the folder; the engine closed afterwards."""
+    folder = tmp_path_factory.mktemp(name)
     reference.save_pretrained(folder)
     ours = load_pipeline(folder, safety_checker=False, preview_every_s=0.0)
     yield reference, ours, folder
     ours.close()
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    """The tiny SD3 folder (with T5) as diffusers' text-to-image pipeline, our engine, and the folder."""
+    yield from served(build_sd3("sd3", tmp_path_factory), "sd3", tmp_path_factory)
 
 
 # -- image-to-image and inpainting -------------------------------------------------------------------------
@@ -175,12 +179,7 @@ TXT2IMG_ARGS = {  # 3 steps each; SD3 guided by a second row, FLUX.1-dev by its 
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
     """The tiny FLUX.1-dev folder as diffusers' `FluxPipeline`, our engine, and the folder."""
-    reference = build_flux("dev", tmp_path_factory)
-    folder = tmp_path_factory.mktemp("flux-dev")
-    reference.save_pretrained(folder)
-    ours = load_pipeline(folder, safety_checker=False, preview_every_s=0.0)
-    yield reference, ours, folder
-    ours.close()
+    yield from served(build_flux("dev", tmp_path_factory), "flux-dev", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

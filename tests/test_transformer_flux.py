@@ -37,11 +37,11 @@ LAYOUTS = {  # in_channels = 4 x the latent channels, as FluxPipeline packs them
     "schnell": dict(TINY, in_channels=16, guidance_embeds=False),
     "dev": dict(TINY, in_channels=64, guidance_embeds=True),
 }
-FLUX1 = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json, one block of each kind
+FLUX1_DEV = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json: 19 double and 38 single blocks, 11.9B
     patch_size=1,
     in_channels=64,
-    num_layers=1,
-    num_single_layers=1,
+    num_layers=19,
+    num_single_layers=38,
     attention_head_dim=128,
     num_attention_heads=24,
     joint_attention_dim=4096,
@@ -49,6 +49,7 @@ FLUX1 = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json, one block
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
+FLUX1 = dict(FLUX1_DEV, num_layers=1, num_single_layers=1)  # one block of each kind
 
 
 def ours_from_torch(ref: TorchFlux) -> FluxTransformer2DModel:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from reference import rel_error
+from test_transformer_flux import FLUX1, FLUX1_DEV
 
 from engine import load_pipeline
 from engine.errors import ConfigError
@@ -86,26 +87,13 @@ def test_only_the_components_large_linear_kernels_change():
         quantize_params(params, "unet")
 
 
-# black-forest-labs/FLUX.1-dev transformer/config.json: 19 double and 38 single blocks, 11.9B parameters
-FLUX1 = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-
-
 @pytest.mark.parametrize(("dtype", "ratio"), [("float32", 0.25), ("bfloat16", 0.5)])
 def test_flux1s_transformer_takes_a_quarter_of_f32_and_half_of_bf16(dtype, ratio):
     """Measured on the real config's shapes (no weights drawn): 23.8 GB of bf16 -> 11.9 GB."""
     with shapes_only():
-        _, params = nnx.split(Models(transformer=FluxTransformer2DModel(FluxTransformerConfig(**FLUX1), nnx.Rngs(0))))
+        _, params = nnx.split(
+            Models(transformer=FluxTransformer2DModel(FluxTransformerConfig(**FLUX1_DEV), nnx.Rngs(0)))
+        )
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, DTYPES[dtype]), params)
     quantized = quantize_params(params, "transformer")
     kernels = [
@@ -248,7 +236,7 @@ def random_params(abstract: nnx.State, std: float, seed: int = 0) -> nnx.State:
 @pytest.mark.slow  # about 40 s on two busy cores: 480M parameters drawn, quantized and run twice
 def test_flux1_blocks_in_int8_stay_near_f32():
     started = time.perf_counter()
-    cfg = FluxTransformerConfig(**dict(FLUX1, num_layers=1, num_single_layers=1))
+    cfg = FluxTransformerConfig(**FLUX1)
     with shapes_only():
         graphdef, abstract = nnx.split(Models(transformer=FluxTransformer2DModel(cfg, nnx.Rngs(0))))
     params = random_params(abstract, std=0.02)  # 0.02 keeps the activations near 1 at width 3072
