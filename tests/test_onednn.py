@@ -74,6 +74,25 @@ def test_a_bf16_conv_runs_in_onednn_and_equals_the_f32_products(kernels, kernel,
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("add_dtype", [None, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("relu", [False, True])
+def test_a_bf16_conv_adds_its_residual_and_takes_its_relu_in_the_same_call(kernels, add_dtype, relu):
+    conv = _bf16_layer(layers.conv(32, 32, 3, nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 11, 32)).astype(jnp.bfloat16)
+    add = None if add_dtype is None else jax.random.normal(jax.random.key(2), (2, 9, 11, 32)).astype(add_dtype)
+    program = jax.jit(lambda x, add: conv(x, add=add, relu=relu))
+    text = program.lower(x, add).as_text()
+    assert text.count(onednn.CONV) == 1 and "stablehlo.maximum" not in text and "stablehlo.add" not in text
+    got = program(x, add)
+    want = jax.lax.conv_general_dilated(
+        exact(x), exact(conv.kernel[...]), (1, 1), conv.padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    want = want + conv.bias[...] + (0.0 if add is None else add.astype(jnp.float32))
+    want = jax.nn.relu(want) if relu else want
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-5)  # rounded once, to bf16
+
+
 @pytest.mark.parametrize("shape", [(5, 64), (2, 7, 64), (1, 77, 64)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_bf16_linear_runs_in_onednn_and_equals_the_f32_products(kernels, shape, bias):

@@ -71,15 +71,18 @@ class AutoencoderTinyBlock(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = x
-        for layer in self.conv:
-            h = layer(h)
-        return jax.nn.relu(h + x)
+        h = _run(self.conv[:-1], x)
+        return self.conv[-1](h, add=x, relu=True)  # relu(conv(h) + x), in the convolution on the bf16 CPU path
 
 
-def _run(layers: nnx.List, x: jax.Array) -> jax.Array:
-    for layer in layers:
-        x = layer(x)
+def _run(layers, x: jax.Array) -> jax.Array:
+    """The layers in turn; a convolution followed by a ReLU takes it as its own (`Conv(relu=True)`)."""
+    i = 0
+    while i < len(layers):
+        layer, after = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+        fused = isinstance(layer, Conv) and isinstance(after, Activation) and after.name == "relu"
+        x = layer(x, relu=True) if fused else layer(x)
+        i += 2 if fused else 1
     return x
 
 

@@ -49,6 +49,30 @@ dnnl::primitive_attr own_scratchpad() {
   return attr;
 }
 
+// What a convolution does after its product, inside oneDNN's kernel (post-ops), so that the output is written once:
+// add an operand of the output's shape (a residual connection), then ReLU. `code` tells primitives apart in the
+// cache. (For the UNet's residual adds a post-op measured slower than XLA's own fusion: used by TAESD's blocks.)
+struct After {
+  bool add = false;
+  memory::data_type add_type = memory::data_type::f32;
+  bool relu = false;
+  int64_t code() const { return (add ? 1 + 4 * int64_t(add_type) : 0) + (relu ? 2 : 0); }
+};
+
+// The attributes of a primitive whose output is laid out as `added` describes (with the residual's dtype).
+dnnl::primitive_attr attr_for(const After& after, const memory::desc& added) {
+  dnnl::primitive_attr attr = own_scratchpad();
+  dnnl::post_ops ops;
+  if (after.add) ops.append_binary(dnnl::algorithm::binary_add, added);
+#if DNNL_VERSION_MAJOR >= 3
+  if (after.relu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+#else
+  if (after.relu) ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+#endif
+  attr.set_post_ops(ops);
+  return attr;
+}
+
 // A thread's reusable buffer (scratchpads, reordered kernels): fresh memory on every call costs its page faults.
 struct Buffer {
   void* data = nullptr;
@@ -138,13 +162,13 @@ T* cached(std::unordered_map<std::string, std::unique_ptr<T>>& cache, const std:
 
 // A matmul's primitive descriptor in either oneDNN API (bias optional).
 dnnl::matmul::primitive_desc matmul_pd(const memory::desc& x, const memory::desc& w, const memory::desc* bias,
-                                       const memory::desc& y) {
+                                       const memory::desc& y, const dnnl::primitive_attr& attr) {
 #if DNNL_VERSION_MAJOR >= 3
-  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, own_scratchpad())
-              : dnnl::matmul::primitive_desc(cpu(), x, w, y, own_scratchpad());
+  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, attr)
+              : dnnl::matmul::primitive_desc(cpu(), x, w, y, attr);
 #else
-  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y),
-                                      own_scratchpad(), cpu());
+  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y), attr,
+                                      cpu());
 #endif
 }
 
@@ -153,35 +177,52 @@ Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memor
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
         y({m, n}, dst, tag::ab);
     memory::desc w_any({k, n}, src, tag::any);
-    auto pd = matmul_pd(x, w, &b, y), kept_pd = matmul_pd(x, w_any, &b, y);
+    auto pd = matmul_pd(x, w, &b, y, own_scratchpad()), kept_pd = matmul_pd(x, w_any, &b, y, own_scratchpad());
     return new Matmul{pd, dnnl::matmul(pd), kept_pd, dnnl::matmul(kept_pd)};
   });
 }
 
-Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst) {
+Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst, const After& after) {
   // d: batch, h, w, in, kh, kw, out, out_h, out_w, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right
   std::string key = key_of({d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
-                            d[14], int64_t(src), int64_t(dst)});
+                            d[14], int64_t(src), int64_t(dst), after.code()});
   return cached(convs, key, [&] {
     memory::desc x({d[0], d[3], d[1], d[2]}, src, tag::nhwc), y({d[0], d[6], d[7], d[8]}, dst, tag::nhwc),
         w_any({d[6], d[3], d[4], d[5]}, src, tag::any), w_given({d[6], d[3], d[4], d[5]}, src, tag::hwio),
         b({d[6]}, memory::data_type::f32, tag::a);
     memory::dims strides{d[9], d[10]}, pad_l{d[11], d[12]}, pad_r{d[13], d[14]};
+    auto attr = attr_for(after, memory::desc({d[0], d[6], d[7], d[8]}, after.add_type, tag::nhwc));
 #if DNNL_VERSION_MAJOR >= 3
     dnnl::convolution_forward::primitive_desc pd(cpu(), dnnl::prop_kind::forward_inference,
                                                  dnnl::algorithm::convolution_direct, x, w_any, b, y, strides, pad_l,
-                                                 pad_r, own_scratchpad());
+                                                 pad_r, attr);
 #else
     dnnl::convolution_forward::primitive_desc pd(
         dnnl::convolution_forward::desc(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, x,
                                         w_any, b, y, strides, pad_l, pad_r),
-        own_scratchpad(), cpu());
+        attr, cpu());
 #endif
     return new Conv{pd, dnnl::convolution_forward(pd), w_given};
   });
 }
 
 ffi::Error failed(const char* what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
+
+// The call's optional residual (its one remaining operand) and what to do after the product; false where the residual
+// is not of the output's size or dtype.
+bool after_of(const ffi::RemainingArgs& rest, const ffi::AnyBuffer& out, bool relu, After* after,
+              void** residual) {
+  after->relu = relu;
+  *residual = nullptr;
+  if (rest.size() == 0) return true;
+  auto added = rest.get<ffi::AnyBuffer>(0);
+  if (rest.size() != 1 || !added.has_value() || added->element_count() != out.element_count() ||
+      !dtype_of(added->element_type(), &after->add_type))
+    return false;
+  after->add = true;
+  *residual = added->untyped_data();
+  return true;
+}
 
 ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out) {
   memory::data_type src, dst;
@@ -234,7 +275,8 @@ AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t h, int64_t d) {
     memory::desc q({rows, d}, bf16, memory::dims{h * d, 1}), k_t({d, m}, bf16, memory::dims{1, h * d}),
         logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab), v({m, d}, bf16, memory::dims{h * d, 1}),
         out({rows, d}, f32, tag::ab);
-    auto logits_pd = matmul_pd(q, k_t, nullptr, logits), out_pd = matmul_pd(weights, v, nullptr, out);
+    auto logits_pd = matmul_pd(q, k_t, nullptr, logits, own_scratchpad()),
+         out_pd = matmul_pd(weights, v, nullptr, out, own_scratchpad());
     return new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)};
   });
 }
@@ -472,8 +514,13 @@ ffi::Error GegluImpl(ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out) {
   return ffi::Error::Success();
 }
 
-ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Span<const int64_t> strides, ffi::Span<const int64_t> padding) {
+ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::RemainingArgs rest,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> strides, ffi::Span<const int64_t> padding,
+                    bool relu) {
+  After after;
+  void* residual;
+  if (!after_of(rest, *out, relu, &after, &residual))
+    return ffi::Error::InvalidArgument("onednn_conv's residual has the output's shape, in bf16 or f32");
   memory::data_type src, dst;
   if (!dtype_of(x.element_type(), &src) || !dtype_of(out->element_type(), &dst) ||
       kernel.element_type() != x.element_type() || bias.element_type() != ffi::DataType::F32)
@@ -484,7 +531,7 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
   int64_t d[15] = {xd[0], xd[1], xd[2], xd[3], kd[0], kd[1], kd[3], yd[1], yd[2],
                    strides[0], strides[1], padding[0], padding[1], padding[2], padding[3]};
   try {
-    Conv* c = conv_for(d, src, dst);
+    Conv* c = conv_for(d, src, dst, after);
     dnnl::stream stream(cpu());
     memory given(c->given_kernel, cpu(), kernel.untyped_data());
     memory wm = given;
@@ -498,8 +545,12 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
     memory xm(c->pd.src_desc(), cpu(), x.untyped_data()), bm(c->pd.bias_desc(), cpu(), bias.untyped_data()),
         ym(c->pd.dst_desc(), cpu(), out->untyped_data());
     memory scratch = scratchpad(c->pd.scratchpad_desc());
-    c->primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm}, {DNNL_ARG_DST, ym},
-                                  {DNNL_ARG_SCRATCHPAD, scratch}});
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm},
+                                         {DNNL_ARG_DST, ym}, {DNNL_ARG_SCRATCHPAD, scratch}};
+    if (residual)
+      args[DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1] =
+          memory(memory::desc({d[0], d[6], d[7], d[8]}, after.add_type, tag::nhwc), cpu(), residual);
+    c->primitive.execute(stream, args);
     stream.wait();
   } catch (const dnnl::error& e) {
     return failed(e.what());
@@ -566,6 +617,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("strides")
-                                  .Attr<ffi::Span<const int64_t>>("padding"));
+                                  .Attr<ffi::Span<const int64_t>>("padding")
+                                  .Attr<bool>("relu"));

@@ -203,6 +203,16 @@ def _bias(bias: jax.Array | None, features: int) -> jax.Array:
     return jnp.zeros((features,), jnp.float32) if bias is None else bias.astype(jnp.float32)
 
 
+def _residual(add: jax.Array | None, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """The optional operand a convolution adds to its output inside oneDNN (a post-op): none, or `add` in its own
+    float dtype (bf16 or f32), shaped as the output."""
+    if add is None:
+        return ()
+    if add.dtype not in (jnp.bfloat16, jnp.float32):
+        add = add.astype(jnp.float32)
+    return (add.reshape(shape),)
+
+
 def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
     """x [..., K] @ kernel [K, N] + bias [N] -> [..., N] in out_dtype; x is cast to the kernel's dtype."""
     k, n = kernel.shape
@@ -226,20 +236,26 @@ def conv(
     strides: tuple[int, int],
     padding: tuple[tuple[int, int], tuple[int, int]],
     out_dtype,
+    add: jax.Array | None = None,
+    relu: bool = False,
 ) -> jax.Array:
-    """NHWC x, HWIO kernel, explicit ((top, bottom), (left, right)) padding -> NHWC in out_dtype."""
+    """NHWC x, HWIO kernel, explicit ((top, bottom), (left, right)) padding -> NHWC in out_dtype; then `add` (of the
+    output's shape) added and ReLU taken where asked, inside oneDNN's kernel, rounded to out_dtype once."""
     b, h, w, _ = x.shape
     kh, kw, _, out = kernel.shape
     (top, bottom), (left, right) = padding
     out_h = (h + top + bottom - kh) // strides[0] + 1
     out_w = (w + left + right - kw) // strides[1] + 1
-    call = jax.ffi.ffi_call(CONV, jax.ShapeDtypeStruct((b, out_h, out_w, out), out_dtype), vmap_method="sequential")
+    shape = (b, out_h, out_w, out)
+    call = jax.ffi.ffi_call(CONV, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
     return call(
         x.astype(kernel.dtype),
         kernel,
         _bias(bias, out),
+        *_residual(add, shape),
         strides=np.asarray(strides, np.int64),
         padding=np.asarray((top, left, bottom, right), np.int64),
+        relu=bool(relu),
     )
 
 
