@@ -239,10 +239,11 @@ def per_step(call, steps: tuple[int, int], reps: int) -> dict:
 def bench_ours(
     folder: Path, images: int, size: int, guidance: float, steps: tuple[int, int], reps: int, chunk_steps: int = 1
 ) -> dict:
-    from engine import load_pipeline
+    from engine import keep_freed_memory, load_pipeline
     from engine.sampling.pairs import pair_cores
 
     pair_cores()  # as the app and the command line run on a CPU host
+    keep_freed_memory()
     pipe = load_pipeline(folder, chunk_steps=chunk_steps)
     start = time.perf_counter()
     pipe.generate("warm up", num_images=images, height=size, width=size, num_inference_steps=1)

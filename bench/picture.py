@@ -118,9 +118,10 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
 
 
 def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str) -> dict:
-    from engine import load_pipeline, pair_cores
+    from engine import keep_freed_memory, load_pipeline, pair_cores
 
     pair_cores(dtype)  # as the app runs on a CPU host: core pairs in f32, none in bf16 through oneDNN
+    keep_freed_memory()  # as the app does
     pipe = load_pipeline(pipe_dir, dtype, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
     size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
 

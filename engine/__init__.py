@@ -16,7 +16,7 @@ from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
 from .sampling.images import canny_image
 from .sampling.pairs import pair_cores
 from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine
-from .serving.start import enable_compile_cache, load_pipeline
+from .serving.start import enable_compile_cache, keep_freed_memory, load_pipeline
 from .serving.ticket import Event, Failed, Finished, Preview, Progress, Queued, Ticket, cancelled
 
 __all__ = [
@@ -46,5 +46,6 @@ __all__ = [
     "Ticket",
     "WeightsError",
     "enable_compile_cache",
+    "keep_freed_memory",
     "load_pipeline",
 ]

@@ -60,12 +60,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, load_pipeline
+    from . import InvalidRequest, SourceError, WeightsError, enable_compile_cache, keep_freed_memory, load_pipeline
     from .compat.pnginfo import GenerationParameters, save_png
     from .errors import ConfigError
     from .sampling.pairs import pair_cores
 
     pair_cores(args.dtype)  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
+    keep_freed_memory()  # XLA's CPU temporaries reused, not mapped afresh at every call (before JAX starts)
     enable_compile_cache()
     try:
         pictures = {}

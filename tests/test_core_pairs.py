@@ -114,7 +114,7 @@ def test_paired_devices_start_from_a_picture_as_one_device_does(split_run, mode)
 def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
     environ = {}  # this process's own environment stays as it is
     monkeypatch.setattr(pairs.os, "environ", environ)
-    monkeypatch.setattr(pairs, "_backends_started", lambda: False)
+    monkeypatch.setattr(pairs, "backends_started", lambda: False)
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(pairs.onednn, "cpu_dtype", lambda: "float32")  # a host whose networks XLA runs itself
     assert pairs.pair_cores() and pairs.asked()
@@ -138,7 +138,7 @@ def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
     assert not pairs.pair_cores() and not environ
 
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(pairs, "_backends_started", lambda: True)  # too late: JAX has its devices
+    monkeypatch.setattr(pairs, "backends_started", lambda: True)  # too late: JAX has its devices
     assert not pairs.pair_cores() and not environ
 
 

@@ -262,7 +262,7 @@ def test_the_cpu_runs_bf16_only_with_native_bf16_and_the_kernels(monkeypatch, na
 
 def test_bf16_through_onednn_asks_for_no_core_pairs(monkeypatch):
     monkeypatch.delenv(pairs.SWITCH, raising=False)
-    monkeypatch.setattr(pairs, "_backends_started", lambda: False)
+    monkeypatch.setattr(pairs, "backends_started", lambda: False)
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda _: {0, 1})
     monkeypatch.setattr(onednn, "library", lambda: object())
     monkeypatch.setenv("XLA_FLAGS", "")

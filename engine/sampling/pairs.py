@@ -47,7 +47,7 @@ def pair_cores(dtype: str | None = None) -> bool:
     dtype = dtype or os.environ.get("JAX_SD_DTYPE") or onednn.cpu_dtype()
     if dtype == "bfloat16" and onednn.library() is not None:
         return False
-    if len(os.sched_getaffinity(0)) < 2 or _backends_started():
+    if len(os.sched_getaffinity(0)) < 2 or backends_started():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}=2".strip()
     os.environ[SWITCH] = "1"
@@ -59,7 +59,8 @@ def asked() -> bool:
     return os.environ.get(SWITCH) == "1"
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
+    """Whether JAX has started its backends: past that, XLA's flags and the host's setup are fixed."""
     from jax._src import xla_bridge  # no public way to ask without starting them
 
     return bool(xla_bridge._backends)
