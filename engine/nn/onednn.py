@@ -223,7 +223,7 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
-    head and block of 64 queries, the logits from oneDNN, their softmax in f32 while they are in the cache, the
+    head and block of 256 queries, the logits from oneDNN, their softmax in f32 (AVX-512 exponentials), the
     weights in bf16 into oneDNN's second product. q, k and v are cast to bf16; the output is q's dtype."""
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(*(a.astype(jnp.bfloat16) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))
