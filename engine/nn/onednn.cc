@@ -1,5 +1,5 @@
-// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py),
-// with two elementwise handlers of our own beside them (GroupNorm + SiLU, GEGLU's gate).
+// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py;
+// built into one library with cpu_loops.cc, our own vector loops: attention's softmax, GroupNorm + SiLU, GEGLU).
 //
 // Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC,
 // kernel HWIO (flax's layout), bias [O] (f32), out NHWC; attention's q, k, v [batch, tokens, heads, head_dim]. x and the kernel share a dtype (bf16 or f32); the
@@ -8,8 +8,6 @@
 // oneDNN picks on every call (as PyTorch's eager bf16 convolution does) unless its buffer is pinned (`OnednnPin`),
 // when the reordered kernel is kept; the activations are used in place.
 #include <oneapi/dnnl/dnnl.hpp>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,12 +22,16 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_loops.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
 using tag = dnnl::memory::format_tag;
 
 namespace {
+
+using jax_sd::softmax_rows;
+using jax_sd::to_bf16;
 
 dnnl::engine& cpu() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -283,81 +285,7 @@ AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t h, int64_t d) {
   });
 }
 
-inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDNN's conversions
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
 thread_local Buffer logits_buffer, weights_buffer, out_buffer;
-
-// Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
-void softmax_rows_plain(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits + r * m;
-    float top = row[0];
-    for (int64_t j = 1; j < m; ++j) top = std::max(top, row[j]);
-    float total = 0.f;
-    for (int64_t j = 0; j < m; ++j) {
-      const float e = std::exp((row[j] - top) * scale);
-      total += e;
-      weights[r * m + j] = to_bf16(e);
-    }
-    sums[r] = total;
-  }
-}
-
-// The same with AVX-512, 16 logits at a time, two passes over each row (its maximum; then the exponentials, their
-// sum and their bf16 rounding). exp(y) = 2^n * 2^f for y * log2(e) = n + f, f in [0, 1), with 2^f from a degree-5
-// polynomial (relative error 2e-7, far below the weights' bf16 rounding) and 2^n applied by scalef.
-__attribute__((target("avx512f"))) void softmax_rows_avx512(const float* logits, uint16_t* weights, float* sums,
-                                                            int64_t rows, int64_t m, float scale) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504f * scale), lowest = _mm512_set1_ps(-126.f);
-  const __m512 c1 = _mm512_set1_ps(0.693147182f), c2 = _mm512_set1_ps(0.240226507f),
-               c3 = _mm512_set1_ps(0.0555041087f), c4 = _mm512_set1_ps(0.00961812911f),
-               c5 = _mm512_set1_ps(0.00133335581f), one = _mm512_set1_ps(1.f);
-  const __m512i round = _mm512_set1_epi32(0x7FFF), lsb = _mm512_set1_epi32(1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits + r * m;
-    uint16_t* w = weights + r * m;
-    const int64_t whole = m / 16 * 16;
-    __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
-    float top = _mm512_reduce_max_ps(top16);
-    for (int64_t j = whole; j < m; ++j) top = std::max(top, row[j]);
-    const __m512 shift = _mm512_set1_ps(top);
-    __m512 total16 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < whole; j += 16) {
-      __m512 t = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), log2e), lowest);
-      __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      __m512 f = _mm512_sub_ps(t, n);
-      __m512 p = _mm512_fmadd_ps(c5, f, c4);
-      p = _mm512_fmadd_ps(p, f, c3);
-      p = _mm512_fmadd_ps(p, f, c2);
-      p = _mm512_fmadd_ps(p, f, c1);
-      p = _mm512_fmadd_ps(p, f, one);
-      __m512 e = _mm512_scalef_ps(p, n);
-      total16 = _mm512_add_ps(total16, e);
-      __m512i bits = _mm512_castps_si512(e);  // round to nearest even, as to_bf16
-      bits = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(bits, round), _mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb)), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm512_cvtepi32_epi16(bits));
-    }
-    float total = _mm512_reduce_add_ps(total16);
-    for (int64_t j = whole; j < m; ++j) {
-      const float e = std::exp((row[j] - top) * scale);
-      total += e;
-      w[j] = to_bf16(e);
-    }
-    sums[r] = total;
-  }
-}
-
-void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512) softmax_rows_avx512(logits, weights, sums, rows, m, scale);
-  else softmax_rows_plain(logits, weights, sums, rows, m, scale);
-}
 
 // Whether a bf16 array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted to
 // carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
@@ -438,128 +366,6 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     }
   }
   if (!error.empty()) return failed(error.c_str());
-  return ffi::Error::Success();
-}
-
-// GroupNorm over x [B, P, C] (bf16 or f32; P pixels, channels last) with f32 scale and bias [C], into out of x's
-// shape and dtype, optionally followed by SiLU: the ResNet blocks' GroupNorm + SiLU in two passes over x instead of
-// XLA's reduce, broadcast and elementwise passes over bf16. Per image, each channel's sums of x and x^2 are
-// accumulated in double over the pixels (threads take pixel ranges), summed per group into the mean and the variance
-// (E[x^2] - E[x]^2, clipped at 0, as layers.GroupNorm computes it), then y = x * a[c] + b[c] with
-// a = scale * rsqrt(var + eps), b = bias - mean * a, and silu(y) = y / (1 + exp(-y)), rounded to x's dtype.
-inline float load(const void* data, bool bf16, int64_t i) {
-  if (!bf16) return static_cast<const float*>(data)[i];
-  uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-__attribute__((target_clones("avx512f", "default"))) void channel_sums(const void* x, bool bf16, int64_t p0,
-                                                                        int64_t p1, int64_t c, double* sums,
-                                                                        double* squares) {
-  std::vector<float> s(c, 0.f), q(c, 0.f);
-  constexpr int64_t kRun = 64;  // f32 runs of 64 pixels, summed into the doubles
-  for (int64_t start = p0; start < p1; start += kRun) {
-    const int64_t end = std::min(p1, start + kRun);
-    for (int64_t p = start; p < end; ++p)
-      for (int64_t j = 0; j < c; ++j) {
-        const float v = load(x, bf16, p * c + j);
-        s[j] += v;
-        q[j] += v * v;
-      }
-    for (int64_t j = 0; j < c; ++j) {
-      sums[j] += s[j], squares[j] += q[j];
-      s[j] = 0.f, q[j] = 0.f;
-    }
-  }
-}
-
-__attribute__((target_clones("avx512f", "default"))) void scale_shift(const void* x, void* out, bool bf16, int64_t p0,
-                                                                       int64_t p1, int64_t c, const float* a,
-                                                                       const float* b, bool silu) {
-  for (int64_t p = p0; p < p1; ++p)
-    for (int64_t j = 0; j < c; ++j) {
-      float y = load(x, bf16, p * c + j) * a[j] + b[j];
-      if (silu) y = y / (1.f + std::exp(-y));
-      if (bf16) static_cast<uint16_t*>(out)[p * c + j] = to_bf16(y);
-      else static_cast<float*>(out)[p * c + j] = y;
-    }
-}
-
-ffi::Error GroupNormImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                         int64_t groups, float eps, bool silu) {
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  auto xd = x.dimensions();
-  if ((!bf16 && x.element_type() != ffi::DataType::F32) || out->element_type() != x.element_type() ||
-      scale.element_type() != ffi::DataType::F32 || bias.element_type() != ffi::DataType::F32 || xd.size() != 3)
-    return ffi::Error::InvalidArgument("onednn_group_norm takes bf16 or f32 x [B, P, C] and f32 scale and bias");
-  const int64_t b = xd[0], p = xd[1], c = xd[2];
-  if (groups <= 0 || c % groups || scale.element_count() != c || bias.element_count() != c)
-    return ffi::Error::InvalidArgument("onednn_group_norm: the channels must split into the groups evenly");
-  const int64_t per_group = c / groups;
-  const int64_t chunk = 256, chunks = (p + chunk - 1) / chunk;  // pixels a thread takes at once
-  const auto* sc = static_cast<const float*>(scale.untyped_data());
-  const auto* bi = static_cast<const float*>(bias.untyped_data());
-  std::vector<double> sums(b * chunks * c, 0.0), squares(b * chunks * c, 0.0);
-  std::vector<float> a(b * c), shift(b * c);
-  const char* xp = static_cast<const char*>(x.untyped_data());
-  char* op = static_cast<char*>(out->untyped_data());
-  const int64_t item = bf16 ? 2 : 4;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < b * chunks; ++task) {
-      const int64_t image = task / chunks, p0 = (task % chunks) * chunk, p1 = std::min(p, p0 + chunk);
-      channel_sums(xp + image * p * c * item, bf16, p0, p1, c, &sums[task * c], &squares[task * c]);
-    }
-#pragma omp single
-    for (int64_t image = 0; image < b; ++image)
-      for (int64_t g = 0; g < groups; ++g) {
-        double s = 0.0, q = 0.0;
-        for (int64_t k = 0; k < chunks; ++k)
-          for (int64_t j = g * per_group; j < (g + 1) * per_group; ++j)
-            s += sums[(image * chunks + k) * c + j], q += squares[(image * chunks + k) * c + j];
-        const double count = double(p * per_group), mean = s / count;
-        const double var = std::max(q / count - mean * mean, 0.0);
-        const float inv = float(1.0 / std::sqrt(var + double(eps)));
-        for (int64_t j = g * per_group; j < (g + 1) * per_group; ++j) {
-          a[image * c + j] = inv * sc[j];
-          shift[image * c + j] = bi[j] - float(mean) * a[image * c + j];
-        }
-      }
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < b * chunks; ++task) {
-      const int64_t image = task / chunks, p0 = (task % chunks) * chunk, p1 = std::min(p, p0 + chunk);
-      scale_shift(xp + image * p * c * item, op + image * p * c * item, bf16, p0, p1, c, &a[image * c],
-                  &shift[image * c], silu);
-    }
-  }
-  return ffi::Error::Success();
-}
-
-// GEGLU's gate over y [M, 2N] (the projection's output: the hidden half, then the gate half; bf16 or f32) into
-// out [M, N] of y's dtype: hidden * gelu(gate), the exact (erf) GELU as diffusers' GEGLU, in f32 and rounded once.
-__attribute__((target_clones("avx512f", "default"))) void geglu_rows(const void* y, void* out, bool bf16, int64_t r0,
-                                                                      int64_t r1, int64_t n) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t j = 0; j < n; ++j) {
-      const float hidden = load(y, bf16, r * 2 * n + j), gate = load(y, bf16, r * 2 * n + n + j);
-      const float value = hidden * 0.5f * gate * (1.f + std::erf(gate * 0.70710678118654752f));
-      if (bf16) static_cast<uint16_t*>(out)[r * n + j] = to_bf16(value);
-      else static_cast<float*>(out)[r * n + j] = value;
-    }
-}
-
-ffi::Error GegluImpl(ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out) {
-  const bool bf16 = y.element_type() == ffi::DataType::BF16;
-  auto yd = y.dimensions();
-  if ((!bf16 && y.element_type() != ffi::DataType::F32) || out->element_type() != y.element_type() ||
-      yd.size() != 2 || yd[1] % 2)
-    return ffi::Error::InvalidArgument("onednn_geglu takes bf16 or f32 y [M, 2N]");
-  const int64_t m = yd[0], n = yd[1] / 2, chunk = 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t r0 = 0; r0 < m; r0 += chunk) geglu_rows(y.untyped_data(), out->untyped_data(), bf16, r0, std::min(m, r0 + chunk), n);
   return ffi::Error::Success();
 }
 
@@ -648,18 +454,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnGroupNorm, GroupNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("groups")
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("silu"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnGeglu, GegluImpl, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                               ffi::Ffi::Bind()

@@ -11,7 +11,7 @@ stand where XLA's bf16 passes are slowest: `group_norm` (GroupNorm + SiLU, the R
 transformer blocks' exact-GELU gate). A server `pin`s its params: their kernels are then reordered into oneDNN's
 layout once, at their first call, instead of at every call.
 
-The handlers (`onednn.cc`) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
+The handlers (`onednn.cc`, `cpu_loops.cc`) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
 JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's oneDNN (Debian: `libdnnl-dev`;
 DNNL_ROOT names another install). Where there is no compiler or no oneDNN, or JAX_SD_ONEDNN=0, `available()`
 is False, says why once in the log, and the layers keep XLA's own dots and convolutions.
@@ -38,7 +38,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SWITCH = "JAX_SD_ONEDNN"  # "0": never use oneDNN, whatever the host has
-SOURCE = Path(__file__).with_name("onednn.cc")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn.cc", "cpu_loops.cc"))  # one library
+HEADERS = (Path(__file__).with_name("cpu_loops.h"),)
 MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 GROUP_NORM, GEGLU = "jax_sd_onednn_group_norm", "jax_sd_onednn_geglu"
 
@@ -93,7 +94,10 @@ def build() -> Path:
 
     version_header = include / "oneapi" / "dnnl" / "dnnl_version.h"
     stamp = hashlib.sha256(
-        SOURCE.read_bytes() + jaxlib.__version__.encode() + str(lib).encode() + version_header.read_bytes()
+        b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+        + jaxlib.__version__.encode()
+        + str(lib).encode()
+        + version_header.read_bytes()
     ).hexdigest()[:16]
     target = kernel_dir() / f"onednn-{stamp}.so"
     if target.exists():
@@ -103,7 +107,7 @@ def build() -> Path:
         partial = Path(scratch) / target.name
         command = [
             compiler, "-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-            f"-I{jax.ffi.include_dir()}", f"-I{include}", str(SOURCE), "-o", str(partial),
+            f"-I{jax.ffi.include_dir()}", f"-I{include}", *map(str, SOURCES), "-o", str(partial),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl",
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
