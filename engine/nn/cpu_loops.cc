@@ -91,12 +91,7 @@ namespace {
 
 using jax_sd::to_bf16;
 
-// GroupNorm over x [B, P, C] (bf16 or f32; P pixels, channels last) with f32 scale and bias [C], into out of x's
-// shape and dtype, optionally followed by SiLU: the ResNet blocks' GroupNorm + SiLU in two passes over x instead of
-// XLA's reduce, broadcast and elementwise passes over bf16. Per image, each channel's sums of x and x^2 are
-// accumulated in double over the pixels (threads take pixel ranges), summed per group into the mean and the variance
-// (E[x^2] - E[x]^2, clipped at 0, as layers.GroupNorm computes it), then y = x * a[c] + b[c] with
-// a = scale * rsqrt(var + eps), b = bias - mean * a, and silu(y) = y / (1 + exp(-y)), rounded to x's dtype.
+// x[i] as f32, from bf16 or f32 data.
 inline float load(const void* data, bool bf16, int64_t i) {
   if (!bf16) return static_cast<const float*>(data)[i];
   uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[i]) << 16;
@@ -105,6 +100,12 @@ inline float load(const void* data, bool bf16, int64_t i) {
   return value;
 }
 
+// GroupNorm over x [B, P, C] (bf16 or f32; P pixels, channels last) with f32 scale and bias [C], into out of x's
+// shape and dtype, optionally followed by SiLU: the ResNet blocks' GroupNorm + SiLU in two passes over x instead of
+// XLA's reduce, broadcast and elementwise passes over bf16. Per image, each channel's sums of x and x^2 are
+// accumulated in double over the pixels (threads take pixel ranges), summed per group into the mean and the variance
+// (E[x^2] - E[x]^2, clipped at 0, as layers.GroupNorm computes it), then y = x * a[c] + b[c] with
+// a = scale * rsqrt(var + eps), b = bias - mean * a, and silu(y) = y / (1 + exp(-y)), rounded to x's dtype.
 __attribute__((target_clones("avx512f", "default"))) void channel_sums(const void* x, bool bf16, int64_t p0,
                                                                         int64_t p1, int64_t c, double* sums,
                                                                         double* squares) {

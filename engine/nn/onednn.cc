@@ -166,13 +166,13 @@ T* cached(std::unordered_map<std::string, std::unique_ptr<T>>& cache, const std:
 
 // A matmul's primitive descriptor in either oneDNN API (bias optional).
 dnnl::matmul::primitive_desc matmul_pd(const memory::desc& x, const memory::desc& w, const memory::desc* bias,
-                                       const memory::desc& y, const dnnl::primitive_attr& attr) {
+                                       const memory::desc& y) {
 #if DNNL_VERSION_MAJOR >= 3
-  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, attr)
-              : dnnl::matmul::primitive_desc(cpu(), x, w, y, attr);
+  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, own_scratchpad())
+              : dnnl::matmul::primitive_desc(cpu(), x, w, y, own_scratchpad());
 #else
-  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y), attr,
-                                      cpu());
+  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y),
+                                      own_scratchpad(), cpu());
 #endif
 }
 
@@ -181,7 +181,7 @@ Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memor
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
         y({m, n}, dst, tag::ab);
     memory::desc w_any({k, n}, src, tag::any);
-    auto pd = matmul_pd(x, w, &b, y, own_scratchpad()), kept_pd = matmul_pd(x, w_any, &b, y, own_scratchpad());
+    auto pd = matmul_pd(x, w, &b, y), kept_pd = matmul_pd(x, w_any, &b, y);
     return new Matmul{pd, dnnl::matmul(pd), kept_pd, dnnl::matmul(kept_pd)};
   });
 }
@@ -279,8 +279,7 @@ AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t h, int64_t d) {
     memory::desc q({rows, d}, bf16, memory::dims{h * d, 1}), k_t({d, m}, bf16, memory::dims{1, h * d}),
         logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab), v({m, d}, bf16, memory::dims{h * d, 1}),
         out({rows, d}, f32, tag::ab);
-    auto logits_pd = matmul_pd(q, k_t, nullptr, logits, own_scratchpad()),
-         out_pd = matmul_pd(weights, v, nullptr, out, own_scratchpad());
+    auto logits_pd = matmul_pd(q, k_t, nullptr, logits), out_pd = matmul_pd(weights, v, nullptr, out);
     return new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)};
   });
 }
@@ -416,7 +415,7 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
 }  // namespace
 
 // The caller promises that each of these `count` buffers (with its byte size) stays allocated and unchanged until
-// it unpins it: their convolutions' reordered kernels are kept from the first call on.
+// it unpins it: the convolution and matmul kernels they hold are kept reordered from their first call on.
 extern "C" void OnednnPin(const void* const* buffers, const int64_t* sizes, int64_t count) {
   std::lock_guard<std::mutex> guard(packed_lock);
   for (int64_t i = 0; i < count; ++i) pinned[buffers[i]] = size_t(sizes[i]);

@@ -160,15 +160,15 @@ def serves(kernel_dtype) -> bool:
 class Pinned:
     """The bf16 convolution kernels of a param tree, held alive while oneDNN keeps them reordered (`pin`)."""
 
-    def __init__(self, arrays: list[jax.Array], buffers: list[int], sizes: list[int]):
-        self.arrays, self.buffers, self.sizes = arrays, buffers, sizes
+    def __init__(self, arrays: list[jax.Array], buffers: list[int]):
+        self.arrays, self.buffers = arrays, buffers
 
     def release(self) -> None:
         """Frees the reordered kernels; the arrays go back to their owner's keeping. Idempotent."""
         if self.buffers:
             n = len(self.buffers)
             library().OnednnUnpin((ctypes.c_void_p * n)(*self.buffers), ctypes.c_int64(n))
-        self.arrays, self.buffers, self.sizes = [], [], []
+        self.arrays, self.buffers = [], []
 
 
 def pin(params) -> Pinned:
@@ -185,13 +185,13 @@ def pin(params) -> Pinned:
         if isinstance(leaf, jax.Array) and leaf.ndim in (2, 4) and leaf.dtype == jnp.bfloat16
     ]
     if not kernels or jax.default_backend() != "cpu" or not available():
-        return Pinned([], [], [])
+        return Pinned([], [])
     shards = [shard.data for array in kernels for shard in array.addressable_shards if shard.device.platform == "cpu"]
     buffers = [shard.unsafe_buffer_pointer() for shard in shards]
     sizes = [shard.nbytes for shard in shards]
     n = len(buffers)
     library().OnednnPin((ctypes.c_void_p * n)(*buffers), (ctypes.c_int64 * n)(*sizes), ctypes.c_int64(n))
-    return Pinned(kernels, buffers, sizes)
+    return Pinned(kernels, buffers)
 
 
 def reordered_bytes() -> int:
