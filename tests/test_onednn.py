@@ -284,7 +284,7 @@ def test_an_unknown_jax_sd_dtype_is_refused_by_name(monkeypatch, value):
     "b, n, m, h, d",
     [
         (1, 1024, 1024, 5, 64),  # self-attention in query blocks (SD 2.1's first level, smaller)
-        (2, 333, 333, 3, 40),  # a token count that is no multiple of the 64-query block
+        (2, 333, 333, 3, 40),  # a token count that is no multiple of the 256-query block
         (2, 256, 77, 8, 64),  # cross-attention to the text
     ],
 )

@@ -33,54 +33,52 @@ void softmax_rows_plain(const float* logits, uint16_t* weights, float* sums, int
   }
 }
 
-// The same with AVX-512, 16 logits at a time, two passes over each row (its maximum; then the exponentials, their
-// sum and their bf16 rounding). exp(y) = 2^n * 2^f for y * log2(e) = n + f, f in [0, 1), with 2^f from a degree-5
-// polynomial (relative error 2e-7, far below the weights' bf16 rounding) and 2^n applied by scalef.
-__attribute__((target("avx512f"))) void softmax_rows_avx512(const float* logits, uint16_t* weights, float* sums,
-                                                            int64_t rows, int64_t m, float scale) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504f * scale), lowest = _mm512_set1_ps(-126.f);
-  const __m512 c1 = _mm512_set1_ps(0.693147182f), c2 = _mm512_set1_ps(0.240226507f),
-               c3 = _mm512_set1_ps(0.0555041087f), c4 = _mm512_set1_ps(0.00961812911f),
-               c5 = _mm512_set1_ps(0.00133335581f), one = _mm512_set1_ps(1.f);
-  const __m512i round = _mm512_set1_epi32(0x7FFF), lsb = _mm512_set1_epi32(1);
+// 2^((x - max) * scale * log2(e)) for shift = max * scale * log2(e), never below 2^-126.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp2_of(__m512 x, __m512 log2e, __m512 shift) {
+  const __m512 t = _mm512_max_ps(_mm512_fmsub_ps(x, log2e, shift), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013428175f), f, _mm512_set1_ps(0.052240074f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128133f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930447f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_rows_plain's work with AVX-512, 16 logits at a time (the last few of a row under a mask), two passes over each row: its
+// maximum; then the exponentials, their sum and their bf16 rounding (AVX512-BF16's conversion, nearest even as
+// to_bf16). exp(y) = 2^n * 2^f for y * log2(e) = n + f, f in [0, 1): 2^f from a degree-4 polynomial (relative
+// error 3e-6, far below the weights' bf16 rounding), 2^n applied by scalef.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_rows_avx512(
+    const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
+  const float log2e_scale = 1.44269504f * scale;
+  const __m512 log2e = _mm512_set1_ps(log2e_scale);
+  const __mmask16 last = __mmask16((1u << (m % 16)) - 1);
+  const int64_t whole = m / 16 * 16;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits + r * m;
     uint16_t* w = weights + r * m;
-    const int64_t whole = m / 16 * 16;
     __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
-    float top = _mm512_reduce_max_ps(top16);
-    for (int64_t j = whole; j < m; ++j) top = std::max(top, row[j]);
-    const __m512 shift = _mm512_set1_ps(top);
+    if (last) top16 = _mm512_mask_max_ps(top16, last, top16, _mm512_maskz_loadu_ps(last, row + whole));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * log2e_scale);
     __m512 total16 = _mm512_setzero_ps();
     for (int64_t j = 0; j < whole; j += 16) {
-      __m512 t = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), log2e), lowest);
-      __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      __m512 f = _mm512_sub_ps(t, n);
-      __m512 p = _mm512_fmadd_ps(c5, f, c4);
-      p = _mm512_fmadd_ps(p, f, c3);
-      p = _mm512_fmadd_ps(p, f, c2);
-      p = _mm512_fmadd_ps(p, f, c1);
-      p = _mm512_fmadd_ps(p, f, one);
-      __m512 e = _mm512_scalef_ps(p, n);
+      __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
       total16 = _mm512_add_ps(total16, e);
-      __m512i bits = _mm512_castps_si512(e);  // round to nearest even, as to_bf16
-      bits = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(bits, round), _mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb)), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm512_cvtepi32_epi16(bits));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
-    float total = _mm512_reduce_add_ps(total16);
-    for (int64_t j = whole; j < m; ++j) {
-      const float e = std::exp((row[j] - top) * scale);
-      total += e;
-      w[j] = to_bf16(e);
+    if (last) {
+      __m512 e = exp2_of(_mm512_maskz_loadu_ps(last, row + whole), log2e, shift);
+      total16 = _mm512_mask_add_ps(total16, last, total16, e);
+      _mm256_mask_storeu_epi16(w + whole, last, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
-    sums[r] = total;
+    sums[r] = _mm512_reduce_add_ps(total16);
   }
 }
 
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   if (avx512) softmax_rows_avx512(logits, weights, sums, rows, m, scale);
   else softmax_rows_plain(logits, weights, sums, rows, m, scale);
 }
