@@ -93,6 +93,58 @@ def test_a_bf16_conv_adds_its_residual_and_takes_its_relu_in_the_same_call(kerne
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-5)  # rounded once, to bf16
 
 
+def _upsample_then_conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """Nearest 2x, then the 3x3 convolution, in f32 from the bf16-rounded inputs: the plain order."""
+    up = jnp.repeat(jnp.repeat(exact(x), 2, axis=1), 2, axis=2)
+    out = jax.lax.conv_general_dilated(
+        up, exact(kernel), (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize(
+    "network, shape",
+    [
+        ("unet", (2, 5, 7, 64)),  # Upsample2D (the UNet's and the VAE's), odd sides, two images
+        ("taesd", (1, 8, 6, 32)),  # TAESD's Upsample then its bias-free conv
+    ],
+)
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_bf16_upsampling_conv_runs_as_four_phase_convs_and_equals_upsample_then_conv(
+    kernels, network, shape, x_dtype
+):
+    from engine.models import autoencoder_tiny as tiny
+
+    c = shape[-1]
+    if network == "unet":
+        layer = layers.Upsample2D(c, nnx.Rngs(0))
+        conv = _bf16_layer(layer.conv)
+        run = layer
+    else:
+        conv = _bf16_layer(tiny.conv_no_bias(c, c, nnx.Rngs(0)))
+        run = lambda x: tiny._run([tiny.Upsample(2), conv], x)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), shape).astype(x_dtype)
+    program = jax.jit(lambda x: run(x))
+    text = program.lower(x).as_text()
+    # one call over x itself: no convolution of XLA's or of ours over an upsampled x
+    assert text.count(onednn.UPSAMPLE_CONV) == 1 and onednn.CONV not in text and "stablehlo.convolution" not in text
+    got = program(x)
+    want = _upsample_then_conv(x, conv.kernel[...], None if conv.bias is None else conv.bias[...])
+    assert got.dtype == x_dtype and got.shape == (shape[0], 2 * shape[1], 2 * shape[2], c)
+    # Each phase kernel's tap is a sum of up to four bf16 taps rounded once more to bf16; a bf16 output is rounded.
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=2**-7 * scale)
+
+
+def test_an_upsampling_conv_to_an_odd_size_upsamples_first(kernels):
+    layer = layers.Upsample2D(16, nnx.Rngs(0))
+    _bf16_layer(layer.conv)
+    x = jax.random.normal(jax.random.key(1), (1, 4, 4, 16))
+    program = jax.jit(lambda x: layer(x, (7, 9)))  # the UNet's skip size where a side is no multiple of 2**depth
+    assert onednn.UPSAMPLE_CONV not in program.lower(x).as_text()
+    assert program(x).shape == (1, 7, 9, 16)
+
+
 @pytest.mark.parametrize("shape", [(5, 64), (2, 7, 64), (1, 77, 64)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_bf16_linear_runs_in_onednn_and_equals_the_f32_products(kernels, shape, bias):
@@ -198,9 +250,13 @@ def test_bf16_geglu_runs_in_one_call_and_equals_its_f32_numbers(kernels, shape):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-5)
 
 
-@pytest.mark.parametrize("layer", ["conv", "linear"])
+@pytest.mark.parametrize("layer", ["conv", "upsample_conv", "linear"])
 def test_a_pinned_kernel_is_reordered_once_and_gives_the_same_numbers(kernels, layer):
-    if layer == "conv":
+    if layer == "upsample_conv":
+        kernel = (jax.random.normal(jax.random.key(1), (3, 3, 64, 128)) * 0.05).astype(jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(0), (1, 8, 8, 64))
+        run = jax.jit(lambda x, w: onednn.upsample_conv(x, w, None, jnp.float32))
+    elif layer == "conv":
         kernel = (jax.random.normal(jax.random.key(1), (3, 3, 64, 128)) * 0.05).astype(jnp.bfloat16)
         x = jax.random.normal(jax.random.key(0), (1, 16, 16, 64))
         run = jax.jit(lambda x, w: onednn.conv(x, w, None, (1, 1), ((1, 1), (1, 1)), jnp.float32))
@@ -220,10 +276,13 @@ def test_a_pinned_kernel_is_reordered_once_and_gives_the_same_numbers(kernels, l
         pinned.release()
     assert onednn.reordered_bytes() == before
     # After release the buffer is not trusted any more: an array that takes it over gets its own numbers.
+    shape = kernel.shape
     del kernel
-    other = (jax.random.normal(jax.random.key(5), (3, 3, 64, 128) if layer == "conv" else (256, 384)) * 0.05).astype(
-        jnp.bfloat16
-    )
+    other = (jax.random.normal(jax.random.key(5), shape) * 0.05).astype(jnp.bfloat16)
+    if layer == "upsample_conv":
+        fresh = _upsample_then_conv(x, other, None)
+        np.testing.assert_allclose(run(x, other), fresh, rtol=0, atol=2**-7 * float(jnp.max(jnp.abs(fresh))))
+        return
     if layer == "conv":
         fresh = jax.lax.conv_general_dilated(
             exact(x), other.astype(jnp.float32), (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")

@@ -76,10 +76,15 @@ class AutoencoderTinyBlock(nnx.Module):
 
 
 def _run(layers, x: jax.Array) -> jax.Array:
-    """The layers in turn; a convolution followed by a ReLU takes it as its own (`Conv(relu=True)`)."""
+    """The layers in turn; a convolution followed by a ReLU takes it as its own (`Conv(relu=True)`), a 2x upsampling
+    followed by a convolution runs as one (`Conv.upsampled`)."""
     i = 0
     while i < len(layers):
         layer, after = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+        if isinstance(layer, Upsample) and layer.factor == 2 and isinstance(after, Conv):
+            x = after.upsampled(x)
+            i += 2
+            continue
         fused = isinstance(layer, Conv) and isinstance(after, Activation) and after.name == "relu"
         x = layer(x, relu=True) if fused else layer(x)
         i += 2 if fused else 1

@@ -93,6 +93,25 @@ class Conv(nnx.Conv):
             out = jax.nn.relu(out) if relu else out
         return out
 
+    def upsampled(self, x: jax.Array) -> jax.Array:
+        """Nearest-neighbour 2x upsampling of x, then this convolution. A 3x3 one with padding 1 on the bf16 CPU path
+        runs as four 2x2 convolutions over x itself (`onednn.upsample_conv`: 16/36 of the products, no upsampled x
+        written; SD-Turbo's UNet step -35 ms); any other upsamples first."""
+        kernel = self.kernel[...]
+        plain = (
+            self.kernel_size == (3, 3)
+            and self.strides in (None, 1, (1, 1))
+            and self.kernel_dilation in (None, 1, (1, 1))
+            and self.input_dilation in (None, 1, (1, 1))
+            and self.feature_group_count == 1
+            and isinstance(self.padding, tuple | list)
+            and tuple(map(tuple, self.padding)) == ((1, 1), (1, 1))
+        )
+        if plain and onednn.serves(kernel.dtype):
+            bias = self.bias[...] if self.bias is not None else None
+            return onednn.upsample_conv(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
+        return self(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
+
     def _conv(self, x: jax.Array, add: jax.Array | None, relu: bool) -> jax.Array | tuple[jax.Array]:
         """oneDNN's convolution with its post-ops (an array), or XLA's alone (a 1-tuple)."""
         kh, kw = self.kernel_size
@@ -388,9 +407,9 @@ class Upsample2D(nnx.Module):
         h, w = x.shape[1:3]
         out_h, out_w = size or (2 * h, 2 * w)
         if (out_h, out_w) == (2 * h, 2 * w):
-            x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-        else:  # torch's "nearest": source index floor(i * in / out)
-            x = x[:, (jnp.arange(out_h) * h) // out_h][:, :, (jnp.arange(out_w) * w) // out_w]
+            return self.conv.upsampled(x)
+        # torch's "nearest": source index floor(i * in / out)
+        x = x[:, (jnp.arange(out_h) * h) // out_h][:, :, (jnp.arange(out_w) * w) // out_w]
         return self.conv(x)
 
 

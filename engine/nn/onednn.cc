@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -128,6 +129,7 @@ std::mutex packed_lock;
 std::unordered_map<const void*, size_t> pinned;  // buffer -> its byte size
 struct Reordered {
   memory::desc layout;
+  int variant;  // 0: the kernel itself; else one derived from it (an upsampling convolution's phase kernels)
   std::shared_ptr<void> data;
 };
 // buffer -> its reordered copies, one per layout asked for (shapes that pick the same layout share one)
@@ -137,22 +139,32 @@ std::shared_ptr<void> aligned_block(size_t size) {
   return std::shared_ptr<void>(std::aligned_alloc(64, (std::max<size_t>(size, 64) + 63) / 64 * 64), std::free);
 }
 
-// The kernel at `buffer` (`bytes` long, laid out as `given`) in the layout `want`, reordered the first time this
-// layout is asked for and kept; null where the buffer is not pinned, and the caller reorders it itself.
-std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& given, const memory::desc& want,
-                           dnnl::stream& stream) {
-  std::lock_guard<std::mutex> guard(packed_lock);  // held through a first reorder only: once per pinned kernel
+// The kernel at `buffer` (`bytes` long) in the layout `want`, written by `fill` the first time this layout (and
+// `variant`: 0 for the kernel itself, else a kernel derived from it) is asked for and kept; null where the buffer is
+// not pinned, and the caller prepares it itself.
+std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& want, int variant,
+                           const std::function<void(memory&)>& fill) {
+  std::lock_guard<std::mutex> guard(packed_lock);  // held through a first fill only: once per pinned kernel
   auto pin = pinned.find(buffer);
   if (pin == pinned.end() || pin->second != bytes) return nullptr;
   auto& copies = packed[buffer];
   for (const Reordered& copy : copies)
-    if (copy.layout == want) return copy.data;
+    if (copy.layout == want && copy.variant == variant) return copy.data;
   auto block = aligned_block(want.get_size());
-  memory from(given, cpu(), const_cast<void*>(buffer)), to(want, cpu(), block.get());
-  dnnl::reorder(from, to).execute(stream, from, to);
-  stream.wait();
-  copies.push_back(Reordered{want, block});
+  memory to(want, cpu(), block.get());
+  fill(to);
+  copies.push_back(Reordered{want, variant, block});
   return block;
+}
+
+// The kernel at `buffer` reordered from `given` into `want`, kept where the buffer is pinned (else null).
+std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& given, const memory::desc& want,
+                           dnnl::stream& stream) {
+  return kept(buffer, bytes, want, 0, [&](memory& to) {
+    memory from(given, cpu(), const_cast<void*>(buffer));
+    dnnl::reorder(from, to).execute(stream, from, to);
+    stream.wait();
+  });
 }
 
 // The primitive kept for `key`, made by `make` the first time it is asked for.
@@ -447,6 +459,85 @@ ffi::Error ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias
   return ffi::Error::Success();
 }
 
+// Nearest 2x upsampling, then a 3x3 convolution with padding 1 (the UNet's, the VAEs' and TAESD's upsamplers), as
+// four 2x2 convolutions over x itself, one per output phase (a, b) = (row, column) % 2: out[2i + a][2j + b] reads
+// x's rows i - 1 + a .. i + a and columns j - 1 + b .. j + b, each tap the sum of the 3x3 taps that land on the same
+// pixel of x. 16 of every 36 products, and no upsampled x written; the phases' outputs are then interleaved.
+// A phase kernel sums two or four bf16 taps in f32 and rounds once: within bf16's resolution of the plain order.
+void phase_kernel(const uint16_t* kernel, int64_t c, int64_t o, int a, int b, uint16_t* phase) {
+  // which 3x3 taps fall on the 2x2 kernel's first and second row (column) in phase a (b)
+  static const int first[2][2] = {{0, 1}, {0, 2}}, last[2][2] = {{0, 2}, {1, 2}};  // [phase][tap]: a range of taps
+  const int64_t taps = c * o;
+  for (int ty = 0; ty < 2; ++ty)
+    for (int tx = 0; tx < 2; ++tx)
+      for (int64_t i = 0; i < taps; ++i) {
+        float sum = 0.f;
+        for (int dy = first[a][ty]; dy <= last[a][ty]; ++dy)
+          for (int dx = first[b][tx]; dx <= last[b][tx]; ++dx) {
+            uint32_t bits = uint32_t(kernel[(dy * 3 + dx) * taps + i]) << 16;
+            float value;
+            std::memcpy(&value, &bits, 4);
+            sum += value;
+          }
+        phase[(ty * 2 + tx) * taps + i] = to_bf16(sum);
+      }
+}
+
+thread_local Buffer phase_buffer;
+
+ffi::Error UpsampleConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  memory::data_type dst;
+  if (x.element_type() != ffi::DataType::BF16 || kernel.element_type() != ffi::DataType::BF16 ||
+      bias.element_type() != ffi::DataType::F32 || !dtype_of(out->element_type(), &dst))
+    return ffi::Error::InvalidArgument("onednn_upsample_conv takes bf16 x and kernel, an f32 bias");
+  auto xd = x.dimensions(), kd = kernel.dimensions(), yd = out->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || yd.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
+      yd[0] != xd[0] || yd[1] != 2 * xd[1] || yd[2] != 2 * xd[2] || yd[3] != kd[3])
+    return ffi::Error::InvalidArgument("onednn_upsample_conv takes NHWC x, a 3x3 HWIO kernel, out [N, 2H, 2W, O]");
+  const int64_t n = xd[0], h = xd[1], w = xd[2], c = xd[3], o = kd[3];
+  const size_t item = dst == memory::data_type::bf16 ? 2 : 4, phase_bytes = size_t(n * h * w * o) * item;
+  std::shared_ptr<void> held = aligned_block(4 * phase_bytes);  // the phases' outputs: freed after the call
+  char* phases = static_cast<char*>(held.get());
+  try {
+    dnnl::stream stream(cpu());
+    for (int a = 0; a < 2; ++a)
+      for (int b = 0; b < 2; ++b) {
+        int64_t d[15] = {n, h, w, c, 2, 2, o, h, w, 1, 1, 1 - a, 1 - b, a, b};
+        Conv* conv = conv_for(d, memory::data_type::bf16, dst, After());
+        const memory::desc& want = conv->pd.weights_desc();
+        auto derive = [&](memory& to) {  // this phase's 2x2 HWIO kernel, in the layout the convolution reads
+          auto* given = static_cast<uint16_t*>(phase_buffer.at_least(4 * c * o * 2));
+          phase_kernel(static_cast<const uint16_t*>(kernel.untyped_data()), c, o, a, b, given);
+          memory from(conv->given_kernel, cpu(), given);
+          dnnl::reorder(from, to).execute(stream, from, to);
+          stream.wait();
+        };
+        std::shared_ptr<void> weights = kept(kernel.untyped_data(), kernel.size_bytes(), want, 1 + 2 * a + b, derive);
+        memory wm(want, cpu(), weights ? weights.get() : kernel_buffer.at_least(want.get_size()));
+        if (!weights) derive(wm);
+        memory xm(conv->pd.src_desc(), cpu(), x.untyped_data()), bm(conv->pd.bias_desc(), cpu(), bias.untyped_data()),
+            ym(conv->pd.dst_desc(), cpu(), phases + (2 * a + b) * phase_bytes);
+        memory scratch = scratchpad(conv->pd.scratchpad_desc());
+        conv->primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm},
+                                         {DNNL_ARG_DST, ym}, {DNNL_ARG_SCRATCHPAD, scratch}});
+        stream.wait();
+      }
+  } catch (const dnnl::error& e) {
+    return failed(e.what());
+  }
+  const size_t pixel = size_t(o) * item;
+  char* y = static_cast<char*>(out->untyped_data());
+#pragma omp parallel for
+  for (int64_t row = 0; row < n * h; ++row)  // x's row i of image `row / h` -> out's rows 2i and 2i + 1
+    for (int a = 0; a < 2; ++a)
+      for (int64_t j = 0; j < w; ++j)
+        for (int b = 0; b < 2; ++b)
+          std::memcpy(y + (((row / h) * 2 * h + 2 * (row % h) + a) * 2 * w + 2 * j + b) * pixel,
+                      phases + (2 * a + b) * phase_bytes + (row * w + j) * pixel, pixel);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The caller promises that each of these `count` buffers (with its byte size) stays allocated and unchanged until
@@ -475,6 +566,13 @@ extern "C" int64_t OnednnPackedBytes() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnUpsampleConv, UpsampleConvImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -42,6 +42,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn.cc", "cpu_lo
 HEADERS = (Path(__file__).with_name("cpu_loops.h"),)
 MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 GROUP_NORM, GEGLU = "jax_sd_onednn_group_norm", "jax_sd_onednn_geglu"
+UPSAMPLE_CONV = "jax_sd_onednn_upsample_conv"
 
 
 def native_bf16() -> bool:
@@ -138,6 +139,7 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(handlers.OnednnMatmul), platform="cpu")
     jax.ffi.register_ffi_target(CONV, jax.ffi.pycapsule(handlers.OnednnConv), platform="cpu")
+    jax.ffi.register_ffi_target(UPSAMPLE_CONV, jax.ffi.pycapsule(handlers.OnednnUpsampleConv), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(handlers.OnednnAttention), platform="cpu")
     jax.ffi.register_ffi_target(GROUP_NORM, jax.ffi.pycapsule(handlers.OnednnGroupNorm), platform="cpu")
     jax.ffi.register_ffi_target(GEGLU, jax.ffi.pycapsule(handlers.OnednnGeglu), platform="cpu")
@@ -261,6 +263,18 @@ def conv(
         padding=np.asarray((top, left, bottom, right), np.int64),
         relu=bool(relu),
     )
+
+
+def upsample_conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
+    """Nearest 2x upsampling of NHWC x, then a 3x3 HWIO kernel with padding 1 -> [b, 2h, 2w, out] in out_dtype, as
+    four 2x2 convolutions over x, one per output phase (`UpsampleConvImpl`): 16/36 of the products, and the
+    upsampled x is never written. The phase kernels are sums of the bf16 taps rounded once to bf16."""
+    b, h, w, _ = x.shape
+    out = kernel.shape[-1]
+    call = jax.ffi.ffi_call(
+        UPSAMPLE_CONV, jax.ShapeDtypeStruct((b, 2 * h, 2 * w, out), out_dtype), vmap_method="sequential"
+    )
+    return call(x.astype(kernel.dtype), kernel, _bias(bias, out))
 
 
 def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, groups: int, eps: float, silu: bool) -> jax.Array:
