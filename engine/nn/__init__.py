@@ -4,9 +4,10 @@
 `Transformer2DModel`'s pieces) and `attention.py` the backend's best attention path (query blocks on a CPU,
 cuDNN's fused attention on a GPU, Pallas flash attention on a TPU); `dit.py` the pieces of the diffusion
 transformers (adaLN modulation, q/k RMS norm, the tanh-GELU feed-forward, timestep + pooled-text conditioning);
-`onednn.py` (with its C++ handlers, `onednn.cc`, and our own vector loops, `cpu_loops.cc`) the CPU's bf16 matrix
-products, convolutions and attention in oneDNN, GroupNorm + SiLU and GEGLU's gate, which `Linear`, `Conv`,
-`GroupNorm`, `GEGLU` and `attention.py` call where they run in bf16 on the CPU.
+`onednn.py` (with its C++ handlers, `onednn.cc` and `attention.cc`, and our own vector loops, `cpu_loops.cc`) the
+CPU's bf16 matrix products, convolutions (upsampling ones as four phase convolutions) and attention in oneDNN,
+GroupNorm + SiLU and GEGLU's gate, which `Linear`, `Conv`, `GroupNorm`, `GEGLU` and `attention.py` call where they
+run in bf16 on the CPU.
 NHWC throughout.
 
 May import: jax, flax, numpy. Nothing of the engine: this is the bottom layer.

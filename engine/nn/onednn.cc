@@ -1,9 +1,10 @@
-// oneDNN's matrix product, convolution and attention as XLA FFI handlers, for the CPU's native bf16 (engine/nn/onednn.py;
-// built into one library with cpu_loops.cc, our own vector loops: attention's softmax, GroupNorm + SiLU, GEGLU).
+// oneDNN's matrix product and convolutions as XLA FFI handlers for the CPU's native bf16 (engine/nn/onednn.py), and
+// the pinning of their kernels; built into one library with attention.cc and cpu_loops.cc (our own vector loops:
+// attention's softmax, GroupNorm + SiLU, GEGLU); onednn.h holds what the handlers share.
 //
-// Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC,
-// kernel HWIO (flax's layout), bias [O] (f32), out NHWC; attention's q, k, v [batch, tokens, heads, head_dim]. x and the kernel share a dtype (bf16 or f32); the
-// output's dtype is the call's own (bf16 src with f32 dst is what keeps a network's activations in f32).
+// Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC, kernel
+// HWIO (flax's layout), bias [O] (f32), out NHWC. x and the kernel share a dtype (bf16 or f32); the output's dtype is
+// the call's own (bf16 src with f32 dst is what keeps a network's activations in f32).
 // Each shape's primitive is built once and kept; a convolution's kernel is reordered into the layout
 // oneDNN picks on every call (as PyTorch's eager bf16 convolution does) unless its buffer is pinned (`OnednnPin`),
 // when the reordered kernel is kept; the activations are used in place.
@@ -22,36 +23,65 @@
 #include <unordered_map>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
 #include "cpu_loops.h"
+#include "onednn.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
 using tag = dnnl::memory::format_tag;
 
-namespace {
-
-using jax_sd::softmax_rows;
-using jax_sd::to_bf16;
+namespace jax_sd {
 
 dnnl::engine& cpu() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
 
+dnnl::primitive_attr own_scratchpad() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+thread_local Buffer scratch_buffer;
+
+memory scratchpad(const memory::desc& desc) {
+  return memory(desc, cpu(), scratch_buffer.at_least(std::max<size_t>(desc.get_size(), 64)));
+}
+
+std::string key_of(std::initializer_list<int64_t> values) {
+  std::string key;
+  for (int64_t v : values) key += std::to_string(v) + ",";
+  return key;
+}
+
+std::mutex cache_lock;
+
+dnnl::matmul::primitive_desc matmul_pd(const memory::desc& x, const memory::desc& w, const memory::desc* bias,
+                                       const memory::desc& y) {
+#if DNNL_VERSION_MAJOR >= 3
+  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, own_scratchpad())
+              : dnnl::matmul::primitive_desc(cpu(), x, w, y, own_scratchpad());
+#else
+  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y),
+                                      own_scratchpad(), cpu());
+#endif
+}
+
+ffi::Error failed(const char* what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
+
+}  // namespace jax_sd
+
+namespace {
+
+using namespace jax_sd;
+
 bool dtype_of(ffi::DataType type, memory::data_type* out) {
   if (type == ffi::DataType::BF16) *out = memory::data_type::bf16;
   else if (type == ffi::DataType::F32) *out = memory::data_type::f32;
   else return false;
   return true;
-}
-
-// Each call brings its own scratchpad: with the library's shared one, a primitive must not run on two threads at
-// once, and XLA runs a program's partitions (the engine's devices) on threads of their own.
-dnnl::primitive_attr own_scratchpad() {
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  return attr;
 }
 
 // What a convolution does after its product, inside oneDNN's kernel (post-ops), so that the output is written once:
@@ -78,31 +108,7 @@ dnnl::primitive_attr attr_for(const After& after, const memory::desc& added) {
   return attr;
 }
 
-// A thread's reusable buffer (scratchpads, reordered kernels): fresh memory on every call costs its page faults.
-struct Buffer {
-  void* data = nullptr;
-  size_t size = 0;
-  ~Buffer() { std::free(data); }
-  void* at_least(size_t want) {
-    if (want > size) {
-      std::free(data);
-      size = (want + 4095) / 4096 * 4096;
-      data = std::aligned_alloc(64, size);
-    }
-    return data;
-  }
-};
-thread_local Buffer scratch_buffer, kernel_buffer;
-
-memory scratchpad(const memory::desc& desc) {
-  return memory(desc, cpu(), scratch_buffer.at_least(std::max<size_t>(desc.get_size(), 64)));
-}
-
-std::string key_of(std::initializer_list<int64_t> values) {
-  std::string key;
-  for (int64_t v : values) key += std::to_string(v) + ",";
-  return key;
-}
+thread_local Buffer kernel_buffer;
 
 struct Matmul {
   dnnl::matmul::primitive_desc pd;  // the kernel as it arrives, [K, N] row-major
@@ -117,7 +123,6 @@ struct Conv {
   memory::desc given_kernel;  // HWIO as it arrives
 };
 
-std::mutex cache_lock;
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
 
@@ -167,27 +172,6 @@ std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc&
   });
 }
 
-// The primitive kept for `key`, made by `make` the first time it is asked for.
-template <class T, class Make>
-T* cached(std::unordered_map<std::string, std::unique_ptr<T>>& cache, const std::string& key, Make make) {
-  std::lock_guard<std::mutex> guard(cache_lock);
-  auto& slot = cache[key];
-  if (!slot) slot.reset(make());
-  return slot.get();
-}
-
-// A matmul's primitive descriptor in either oneDNN API (bias optional).
-dnnl::matmul::primitive_desc matmul_pd(const memory::desc& x, const memory::desc& w, const memory::desc* bias,
-                                       const memory::desc& y) {
-#if DNNL_VERSION_MAJOR >= 3
-  return bias ? dnnl::matmul::primitive_desc(cpu(), x, w, *bias, y, own_scratchpad())
-              : dnnl::matmul::primitive_desc(cpu(), x, w, y, own_scratchpad());
-#else
-  return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(x, w, *bias, y) : dnnl::matmul::desc(x, w, y),
-                                      own_scratchpad(), cpu());
-#endif
-}
-
 Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst) {
   return cached(matmuls, key_of({m, k, n, int64_t(src), int64_t(dst)}), [&] {
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
@@ -221,8 +205,6 @@ Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst, c
     return new Conv{pd, dnnl::convolution_forward(pd), w_given};
   });
 }
-
-ffi::Error failed(const char* what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
 
 // The call's optional residual (its one remaining operand) and what to do after the product; false where the residual
 // is not of the output's size or dtype.
@@ -269,149 +251,6 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
   } catch (const dnnl::error& e) {
     return failed(e.what());
   }
-  return ffi::Error::Success();
-}
-
-// softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (bf16), out [B, N, H, D]. Each (image, head)'s
-// k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not once per block of
-// queries); then for each (image, head, block of queries) on a thread of its own: the block's queries copied into
-// contiguous rows, the logits [rows, M] from oneDNN (single-threaded inside the parallel loop), the softmax over them
-// while they are in the cache, the weights as bf16 into the second product, then each row divided by its sum.
-// Nothing the size of all the logits is ever written.
-constexpr int64_t kAttentionRows = 256;
-
-struct AttentionPrims {
-  dnnl::matmul::primitive_desc logits_pd, out_pd;
-  dnnl::matmul logits, out;
-};
-
-std::unordered_map<std::string, std::unique_ptr<AttentionPrims>> attentions;
-
-// The two products for `rows` queries against `m` keys of width `d`, reading k^T and v in the layouts given (those
-// oneDNN picks for a full block: a last, shorter block reads the same reordered copies).
-AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t d, const memory::desc* k_layout,
-                              const memory::desc* v_layout) {
-  return cached(attentions, key_of({rows, m, d, k_layout != nullptr}), [&] {
-    auto bf16 = memory::data_type::bf16, f32 = memory::data_type::f32;
-    memory::desc q({rows, d}, bf16, tag::ab), logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab),
-        out({rows, d}, f32, tag::ab);
-    auto logits_pd = matmul_pd(q, k_layout ? *k_layout : memory::desc({d, m}, bf16, tag::any), nullptr, logits);
-    auto out_pd = matmul_pd(weights, v_layout ? *v_layout : memory::desc({m, d}, bf16, tag::any), nullptr, out);
-    return new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)};
-  });
-}
-
-thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, keys_buffer;
-
-// Whether a bf16 array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted to
-// carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
-bool non_finite(const uint16_t* a, int64_t count) {
-  uint16_t any = 0;
-  for (int64_t i = 0; i < count; ++i) any |= uint16_t((a[i] & 0x7F80) == 0x7F80);
-  return any != 0;
-}
-
-ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                         float scale) {
-  if (q.element_type() != ffi::DataType::BF16 || k.element_type() != ffi::DataType::BF16 ||
-      v.element_type() != ffi::DataType::BF16 ||
-      (out->element_type() != ffi::DataType::BF16 && out->element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("onednn_attention takes bf16 q, k and v and gives bf16 or f32");
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
-    return ffi::Error::InvalidArgument("onednn_attention takes q [B, N, H, D] and k, v [B, M, H, D]");
-  const int64_t b = qd[0], n = qd[1], h = qd[2], d = qd[3], m = kd[1];
-  const int64_t blocks = (n + kAttentionRows - 1) / kAttentionRows, tasks = b * h * blocks;
-  const bool bf16_out = out->element_type() == ffi::DataType::BF16;
-  auto* qp = static_cast<const uint16_t*>(q.untyped_data());
-  auto* kp = static_cast<const uint16_t*>(k.untyped_data());
-  auto* vp = static_cast<const uint16_t*>(v.untyped_data());
-  void* op = out->untyped_data();
-  std::string error;
-  AttentionPrims *full, *tail;
-  try {
-    full = attention_for(std::min(n, kAttentionRows), m, d, nullptr, nullptr);
-    const memory::desc k_layout = full->logits_pd.weights_desc(), v_layout = full->out_pd.weights_desc();
-    tail = n % kAttentionRows ? attention_for(n % kAttentionRows, m, d, &k_layout, &v_layout) : full;
-  } catch (const dnnl::error& e) {
-    return failed(e.what());
-  }
-  // Each (image, head)'s k^T and v, reordered from their strided place in k and v.
-  const size_t k_size = full->logits_pd.weights_desc().get_size(), v_size = full->out_pd.weights_desc().get_size();
-  char* packed_kv = static_cast<char*>(keys_buffer.at_least((k_size + v_size) * b * h));
-  std::vector<char> broken(b);
-#pragma omp parallel for
-  for (int64_t image = 0; image < b; ++image)
-    broken[image] = non_finite(qp + image * n * h * d, n * h * d) || non_finite(kp + image * m * h * d, m * h * d) ||
-                    non_finite(vp + image * m * h * d, m * h * d);
-#pragma omp parallel for
-  for (int64_t pair = 0; pair < b * h; ++pair) {
-    const int64_t kv_at = ((pair / h) * m * h + pair % h) * d;
-    try {
-      dnnl::stream stream(cpu());
-      memory k_given(memory::desc({d, m}, memory::data_type::bf16, memory::dims{1, h * d}), cpu(),
-                     const_cast<uint16_t*>(kp + kv_at)),
-          k_packed(full->logits_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size)),
-          v_given(memory::desc({m, d}, memory::data_type::bf16, memory::dims{h * d, 1}), cpu(),
-                  const_cast<uint16_t*>(vp + kv_at)),
-          v_packed(full->out_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size) + k_size);
-      dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
-      dnnl::reorder(v_given, v_packed).execute(stream, v_given, v_packed);
-      stream.wait();
-    } catch (const dnnl::error& e) {
-#pragma omp critical
-      error = e.what();
-    }
-  }
-  if (!error.empty()) return failed(error.c_str());
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t block = task % blocks, head = (task / blocks) % h, image = task / (blocks * h);
-    const int64_t row0 = block * kAttentionRows, rows = std::min(kAttentionRows, n - row0);
-    if (broken[image]) {
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < d; ++c) {
-          const int64_t at = ((image * n + row0 + r) * h + head) * d + c;
-          if (bf16_out) static_cast<uint16_t*>(op)[at] = 0x7FC0;
-          else static_cast<float*>(op)[at] = std::numeric_limits<float>::quiet_NaN();
-        }
-      continue;
-    }
-    AttentionPrims* prims = rows == std::min(n, kAttentionRows) ? full : tail;
-    try {
-      dnnl::stream stream(cpu());
-      uint16_t* queries = static_cast<uint16_t*>(queries_buffer.at_least(rows * d * 2));
-      float* logits = static_cast<float*>(logits_buffer.at_least(rows * m * 4));
-      uint16_t* weights = static_cast<uint16_t*>(weights_buffer.at_least(rows * m * 2));
-      float* result = static_cast<float*>(out_buffer.at_least(rows * d * 4));
-      const int64_t q_at = ((image * n + row0) * h + head) * d;
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(queries + r * d, qp + q_at + r * h * d, d * 2);
-      char* kv = packed_kv + (image * h + head) * (k_size + v_size);
-      memory qm(prims->logits_pd.src_desc(), cpu(), queries), km(prims->logits_pd.weights_desc(), cpu(), kv),
-          lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
-      prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
-                                     {DNNL_ARG_SCRATCHPAD, s1}});
-      std::vector<float> sums(rows);
-      softmax_rows(logits, weights, sums.data(), rows, m, scale);
-      memory wm(prims->out_pd.src_desc(), cpu(), weights), vm(prims->out_pd.weights_desc(), cpu(), kv + k_size),
-          om(prims->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(prims->out_pd.scratchpad_desc());
-      prims->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
-                                  {DNNL_ARG_SCRATCHPAD, s2}});
-      for (int64_t r = 0; r < rows; ++r) {
-        const float inverse = 1.f / sums[r];
-        const int64_t at = q_at + r * h * d;
-        for (int64_t c = 0; c < d; ++c) {
-          float value = result[r * d + c] * inverse;
-          if (bf16_out) static_cast<uint16_t*>(op)[at + c] = to_bf16(value);
-          else static_cast<float*>(op)[at + c] = value;
-        }
-      }
-    } catch (const dnnl::error& e) {
-#pragma omp critical
-      error = e.what();
-    }
-  }
-  if (!error.empty()) return failed(error.c_str());
   return ffi::Error::Success();
 }
 
@@ -578,14 +417,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnUpsampleConv, UpsampleConvImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConv, ConvImpl,
                               ffi::Ffi::Bind()

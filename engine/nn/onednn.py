@@ -8,10 +8,12 @@ layer's kernel is bf16 on the CPU and `available()`, `layers.Linear` and `layers
 the layer would give (f32 from an f32 input), with f32 accumulation and an f32 bias, as oneDNN computes.
 bf16 attention on the CPU is `attention` here (nn/attention.py's "onednn" kind). Two elementwise calls of our own
 stand where XLA's bf16 passes are slowest: `group_norm` (GroupNorm + SiLU, the ResNet blocks') and `geglu` (the
-transformer blocks' exact-GELU gate). A server `pin`s its params: their kernels are then reordered into oneDNN's
-layout once, at their first call, instead of at every call.
+transformer blocks' exact-GELU gate). `upsample_conv` runs a nearest 2x upsampling and its 3x3 convolution as four
+2x2 convolutions over the small input (`layers.Conv.upsampled`). A server `pin`s its params: their kernels are then
+reordered into oneDNN's layout once, at their first call, instead of at every call.
 
-The handlers (`onednn.cc`, `cpu_loops.cc`) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
+The handlers (`onednn.cc`: matmul, convolutions, pinning; `attention.cc`; `cpu_loops.cc`: our own vector loops;
+`onednn.h`: what they share) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
 JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's oneDNN (Debian: `libdnnl-dev`;
 DNNL_ROOT names another install). Where there is no compiler or no oneDNN, or JAX_SD_ONEDNN=0, `available()`
 is False, says why once in the log, and the layers keep XLA's own dots and convolutions.
@@ -38,8 +40,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SWITCH = "JAX_SD_ONEDNN"  # "0": never use oneDNN, whatever the host has
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn.cc", "cpu_loops.cc"))  # one library
-HEADERS = (Path(__file__).with_name("cpu_loops.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn.cc", "attention.cc", "cpu_loops.cc"))  # one library
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loops.h"))
 MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 GROUP_NORM, GEGLU = "jax_sd_onednn_group_norm", "jax_sd_onednn_geglu"
 UPSAMPLE_CONV = "jax_sd_onednn_upsample_conv"
