@@ -84,6 +84,7 @@ class FakeEngine:
         max_steps=50,
         max_images=8,
         loras=("style",),
+        max_deep_cache=10,
     )
 
     def __init__(self, error: Exception | None = None, hold: bool = False):

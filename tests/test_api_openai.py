@@ -65,6 +65,7 @@ def test_generations_draw_n_pictures_with_consecutive_seeds_and_our_extra_fields
             "guidance_scale": 4.5,
             "scheduler": "euler_a",
             "eta": 0.3,
+            "deep_cache": 2,
         },
     )
     images = [decode_png(item.b64_json) for item in answer.data]
@@ -74,6 +75,7 @@ def test_generations_draw_n_pictures_with_consecutive_seeds_and_our_extra_fields
     request = pipe.calls[-1]
     assert (request.negative_prompt, request.num_inference_steps, request.guidance_scale) == ("blurry", 3, 4.5)
     assert request.scheduler == "euler_a" and request.num_images == 2 and request.eta == 0.3
+    assert request.deep_cache == 2
     client.images.generate(prompt="a red circle", size="auto", extra_body={"scheduler": "DPM++ 2M Karras"})
     assert pipe.calls[-1].scheduler == "dpm++2m_karras" and pipe.calls[-1].width == 64  # the model's own size
 

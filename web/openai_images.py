@@ -5,8 +5,8 @@ Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
 - `size` is "WIDTHxHEIGHT" (a size the server does not offer is refused with the list), or "auto" / none for
   the model's own; `n` pictures get seeds seed, seed+1, ...
 - Our request's own names ride along as extra body fields: `negative_prompt`, `seed`, `num_inference_steps`,
-  `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, `eta`, and for edits
-  `strength`. With the `openai` client: `extra_body={"seed": 5}`.
+  `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, `eta`,
+  `deep_cache` (a whole UNet pass every that many steps, the first level alone between), and for edits `strength`. With the `openai` client: `extra_body={"seed": 5}`.
 - `response_format`: "b64_json" (the default, as gpt-image models answer) or "url": a link to the PNG on this
   server, kept for `LINK_TTL_S` (at most `LINK_MAX_BYTES` of them; the oldest go first).
 - `edits` (multipart): `image`, and an optional `mask` in OpenAI's convention (transparent pixels are redrawn):
@@ -56,6 +56,7 @@ class GenerationsBody(BaseModel):
     scheduler: str | None = None
     clip_skip: int | None = None
     eta: float | None = None
+    deep_cache: int | None = None
 
 
 class EditsBody(GenerationsBody):
@@ -128,6 +129,7 @@ async def draw(
         num_images=1 if body.n is None else body.n,
         clip_skip=body.clip_skip or 0,
         eta=body.eta,
+        deep_cache=body.deep_cache,
         lora_scales=loras,
         **(pictures or {}),
     )

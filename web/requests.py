@@ -232,6 +232,7 @@ def api_request(
     mask_image: Image.Image | None = None,
     strength: Any = None,
     eta: Any = None,
+    deep_cache: Any = None,
 ) -> engine.GenerationRequest:
     """A REST API's values, already under our names, as a request; None takes the model's default (an image
     brings its own size). A seed of None or -1 is drawn at random. The engine checks every range."""
@@ -252,4 +253,5 @@ def api_request(
         mask_image=mask_image,
         strength=None if strength is None else as_float(strength, "strength"),
         eta=0.0 if eta is None else as_float(eta, "eta"),
+        deep_cache=0 if deep_cache is None else as_int(deep_cache, "deep_cache"),
     )

@@ -131,6 +131,10 @@ class Family:
     uniform_sigmas: bool = False
     # What can be attached to a model of this family: "lora", "controlnet" (refused by name elsewhere)
     adapters: frozenset[str] = frozenset({"lora", "controlnet"})
+    # DeepCache (`Plan.deep_cache`): (models, latents, timesteps, projected text, conditioning, deep features) -> the
+    # noise prediction from the denoiser's first level, the deep features those of an earlier whole step, which
+    # `denoise(..., keep_deep=True)` returns beside its prediction; None: the denoiser has no such levels
+    denoise_shallow: Callable[..., jax.Array] | None = field(default=None, repr=False)
 
     def guided_by_embedding(self, unet: Any) -> bool:
         """Whether a model of this family with this UNet config reads the guidance scale as an embedding rather than

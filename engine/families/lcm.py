@@ -38,6 +38,7 @@ FAMILY = Family(
     tokenizers=sd.FAMILY.tokenizers,
     encode=sd.encode,
     build=sd.build,
+    denoise_shallow=sd.denoise_shallow,
     denoise=sd.denoise,  # the UNet call reads `cond.timestep_cond`, the guidance scale's embedding
     latent=sd.FAMILY.latent,
     # As `LatentConsistencyModelPipeline.__call__`'s defaults (4 steps, guidance 8.5); the folder's own

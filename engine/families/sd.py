@@ -48,11 +48,28 @@ def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: boo
 
 
 def denoise(
-    models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: Conditioning, residuals: tuple
-) -> jax.Array:
+    models: Models,
+    x: jax.Array,
+    timesteps: jax.Array,
+    kv: Any,
+    cond: Conditioning,
+    residuals: tuple,
+    keep_deep: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The UNet's noise prediction; `kv` is the text projected for its cross-attentions (`project_context`); a
-    guidance-distilled UNet reads the guidance scale's embedding (`cond.timestep_cond`)."""
-    return models.unet(x, timesteps, kv, cond.text_embeds, cond.time_ids, *residuals, timestep_cond=cond.timestep_cond)
+    guidance-distilled UNet reads the guidance scale's embedding (`cond.timestep_cond`). `keep_deep`: and the deep
+    features `denoise_shallow` reuses."""
+    return models.unet(
+        x, timesteps, kv, cond.text_embeds, cond.time_ids, *residuals, timestep_cond=cond.timestep_cond,
+        keep_deep=keep_deep,
+    )  # fmt: skip
+
+
+def denoise_shallow(
+    models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: Conditioning, deep: jax.Array
+) -> jax.Array:
+    """The UNet's first level only, the deep features of an earlier step below it (DeepCache)."""
+    return models.unet.shallow(x, timesteps, kv, deep, cond.text_embeds, cond.time_ids, cond.timestep_cond)
 
 
 def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
@@ -74,6 +91,7 @@ FAMILY = Family(
     encode=encode,
     build=build,
     denoise=denoise,
+    denoise_shallow=denoise_shallow,
     latent=LatentFormat(channels=4, tiny_vae="madebyollin/taesd"),
     # The scheduler here is a fallback: a folder's own scheduler class, when we have it, comes first.
     defaults={"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"},

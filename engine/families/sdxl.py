@@ -94,6 +94,7 @@ FAMILY = Family(
     tokenizers=("tokenizer", "tokenizer_2"),
     encode=encode,
     build=sd.build,  # the same networks; the second encoder is `CLIPTextModelWithProjection`
+    denoise_shallow=sd.denoise_shallow,
     denoise=sd.denoise,  # the same UNet call: its `text_time` embedding reads the pooled text and time ids
     latent=LatentFormat(channels=4, tiny_vae="madebyollin/taesdxl"),
     defaults={"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU post

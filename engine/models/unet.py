@@ -84,14 +84,17 @@ class DownBlock(nnx.Module):
         is_final = index == cfg.num_blocks - 1
         self.downsamplers = None if is_final else nnx.List([Downsample2D(out_ch, cfg.downsample_padding, rngs)])
 
-    def __call__(self, x: jax.Array, temb: jax.Array, context: Context) -> tuple[jax.Array, list[jax.Array]]:
+    def __call__(
+        self, x: jax.Array, temb: jax.Array, context: Context, downsample: bool = True
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        """x -> (x, the skip connections it leaves); `downsample` False stops before the downsampler."""
         skips = []
         for j, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
                 x = self.attentions[j](x, context)
             skips.append(x)
-        if self.downsamplers is not None:
+        if self.downsamplers is not None and downsample:
             x = self.downsamplers[0](x)
             skips.append(x)
         return x, skips
@@ -194,24 +197,8 @@ class UNet2DConditionModel(nnx.Module):
         """The text's keys and values for every cross-attention: what `__call__` takes in its place."""
         return project_context(self._blocks(), encoder_hidden_states, self.conv_in.kernel.dtype)
 
-    def __call__(
-        self,
-        sample: jax.Array,
-        timesteps: jax.Array,
-        encoder_hidden_states: jax.Array | ProjectedContext,
-        text_embeds: jax.Array | None = None,
-        time_ids: jax.Array | None = None,
-        down_block_additional_residuals: tuple[jax.Array, ...] | None = None,
-        mid_block_additional_residual: jax.Array | None = None,
-        timestep_cond: jax.Array | None = None,
-    ) -> jax.Array:
-        """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels].
-
-        The additional residuals are a ControlNet's (`engine.models.controlnet`): one per skip connection, added to
-        the skips, and one added to the mid block's output, as diffusers' UNet does. `timestep_cond`
-        [batch, time_cond_proj_dim]: what a UNet with `time_cond_proj_dim` adds to its timestep embedding (LCM's
-        guidance scale embedding, `nn.layers.guidance_scale_embedding`); without it that input is skipped.
-        """
+    def _embed(self, sample, timesteps, text_embeds, time_ids, timestep_cond) -> tuple[jax.Array, jax.Array]:
+        """(the time embedding every resnet reads, conv_in's output)."""
         cfg = self.config
         dtype = self.conv_in.kernel.dtype
         timesteps = jnp.broadcast_to(timesteps, (sample.shape[0],))
@@ -226,11 +213,34 @@ class UNet2DConditionModel(nnx.Module):
             time_emb = time_emb.reshape(b, -1)  # [batch, time_ids * addition_time_embed_dim]
             added = jnp.concatenate([text_embeds.astype(jnp.float32), time_emb], axis=-1)
             temb = temb + self.add_embedding(added.astype(dtype))
-        context = as_context(encoder_hidden_states, dtype)
         x = sample.astype(dtype)
         if cfg.center_input_sample:
             x = 2 * x - 1.0
-        x = self.conv_in(x)
+        return temb, self.conv_in(x)
+
+    def __call__(
+        self,
+        sample: jax.Array,
+        timesteps: jax.Array,
+        encoder_hidden_states: jax.Array | ProjectedContext,
+        text_embeds: jax.Array | None = None,
+        time_ids: jax.Array | None = None,
+        down_block_additional_residuals: tuple[jax.Array, ...] | None = None,
+        mid_block_additional_residual: jax.Array | None = None,
+        timestep_cond: jax.Array | None = None,
+        keep_deep: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """sample [batch, h, w, in_channels]; timesteps [batch] or scalar; returns [batch, h, w, out_channels].
+
+        The additional residuals are a ControlNet's (`engine.models.controlnet`): one per skip connection, added to
+        the skips, and one added to the mid block's output, as diffusers' UNet does. `timestep_cond`
+        [batch, time_cond_proj_dim]: what a UNet with `time_cond_proj_dim` adds to its timestep embedding (LCM's
+        guidance scale embedding, `nn.layers.guidance_scale_embedding`); without it that input is skipped.
+        `keep_deep`: also return the deep features, what the last up block reads besides the first level's skips,
+        for `shallow` to reuse at the next steps (DeepCache).
+        """
+        temb, x = self._embed(sample, timesteps, text_embeds, time_ids, timestep_cond)
+        context = as_context(encoder_hidden_states, self.conv_in.kernel.dtype)
         skips = [x]
         for block in self.down_blocks:
             x, block_skips = block(x, temb, context)
@@ -241,7 +251,32 @@ class UNet2DConditionModel(nnx.Module):
             x = self.mid_block(x, temb, context)
         if mid_block_additional_residual is not None:
             x = x + mid_block_additional_residual.astype(x.dtype)
-        for block in self.up_blocks:
+        for block in self.up_blocks[:-1]:
             x = block(x, skips, temb, context)
+        deep = x
+        x = self.up_blocks[-1](x, skips, temb, context)
         x = self.conv_out(self.conv_norm_out(x, silu=True))
-        return x
+        return (x, deep) if keep_deep else x
+
+    def shallow(
+        self,
+        sample: jax.Array,
+        timesteps: jax.Array,
+        encoder_hidden_states: jax.Array | ProjectedContext,
+        deep: jax.Array,
+        text_embeds: jax.Array | None = None,
+        time_ids: jax.Array | None = None,
+        timestep_cond: jax.Array | None = None,
+    ) -> jax.Array:
+        """The noise prediction from the first level only, with `deep` (`__call__(keep_deep=True)` at an earlier
+        step) standing for everything below it, as DeepCache (Ma et al., 2023) reuses the slowly changing deep
+        features between adjacent steps: conv_in, the first down block up to its downsampler, the last up block."""
+        temb, x = self._embed(sample, timesteps, text_embeds, time_ids, timestep_cond)
+        context = as_context(encoder_hidden_states, self.conv_in.kernel.dtype)
+        _, block_skips = self.down_blocks[0](x, temb, context, downsample=False)
+        x = self.up_blocks[-1](deep.astype(x.dtype), [x, *block_skips], temb, context)
+        return self.conv_out(self.conv_norm_out(x, silu=True))
+
+    def deep_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """The deep features' shape for a [batch, height, width, c] sample: the last up block's input."""
+        return (batch, height, width, self.config.block_out_channels[min(1, self.config.num_blocks - 1)])

@@ -49,6 +49,9 @@ class Plan:
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
     control: bool = False  # the ControlNet runs beside the UNet; each slot brings a control image
     mode: str = "txt2img"  # txt2img | img2img | inpaint (engine/modes.py): what admit encodes, what steps keep
+    # DeepCache: a chunk's step runs the UNet whole only where some slot is at a multiple of this (its deep features
+    # kept in `Slots.deep`), else its first level alone over them (`Family.denoise_shallow`); 0 or 1: always whole
+    deep_cache: int = 0
 
     @property
     def slots_per_device(self) -> int:
@@ -167,6 +170,8 @@ class Slots:
     control_scale: jax.Array | None = None  # [batch] f32
     kept: modes.Inpainting | None = None  # inpainting: mask and picture latents the steps read
     control_kv: ProjectedContext | None = None  # with `plan.control`: the text projected for the ControlNet
+    # with `plan.deep_cache` > 1: each UNet row's deep features from its last whole step, rows as `kv`'s
+    deep: jax.Array | None = None
 
 
 def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -196,6 +201,10 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     kv = denoiser.project_context(cond.context)  # once per request, not once per step
     control_kv = models.controlnet.project_context(cond.context) if plan.control else None
     cond = dataclasses.replace(cond, context=None)  # no step reads it again: the slots hold it projected
+    deep = None
+    if plan.deep_cache > 1:  # filled at each slot's step 0, which always runs whole
+        rows = x.shape[0] * (2 if plan.guidance else 1)
+        deep = jnp.zeros(denoiser.deep_shape(rows, *x.shape[1:3]), denoiser.conv_in.kernel.dtype)
     return Slots(
         x,
         state,
@@ -209,6 +218,7 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         new.control_scale,
         kept,
         control_kv,
+        deep,
     )
 
 
@@ -248,7 +258,7 @@ def advance(
     denoise = family.denoise
 
     def body(_, carry):
-        x, state, i = carry
+        x, state, i, deep = carry
         models = nnx.merge(graphdef, dequantize(params, after=x))  # the same arrays for a tree with no int8 kernel
         active = i < t.num_loop_steps  # [batch]
         model_in = jax.vmap(lambda tab, j, row: schedulers.scale_model_input(kind, tab, j, row))(t, i, x)
@@ -258,7 +268,19 @@ def advance(
         model_in = pairs.split_batch(model_in)  # over a core pair, when there is one; the networks follow
         residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
         model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
-        out = denoise(models, model_in, timesteps, slots.kv, cond, residuals)
+        if plan.deep_cache > 1:  # DeepCache: the first level alone where every running slot may reuse its features
+            shallow = jnp.any(active) & jnp.all(~active | (i % plan.deep_cache != 0))
+
+            def whole(deep):
+                out, new = denoise(models, model_in, timesteps, slots.kv, cond, residuals, keep_deep=True)
+                return out, new.astype(deep.dtype)
+
+            def first_level(deep):
+                return family.denoise_shallow(models, model_in, timesteps, slots.kv, cond, deep), deep
+
+            out, deep = jax.lax.cond(shallow, first_level, whole, deep)
+        else:
+            out = denoise(models, model_in, timesteps, slots.kv, cond, residuals)
         out = out.astype(jnp.float32)
         if plan.guidance:
             out = out.reshape(x.shape[0], 2, *x.shape[1:])  # [batch, (uncond, cond), h, w, c]
@@ -273,11 +295,14 @@ def advance(
             new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x)
         new_x = modes.blend(new_x, slots.kept, t, i, channels)
         keep = lambda a, b: _select(active, a, b)  # noqa: E731 - finished and empty slots stay as they are
-        return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32)
+        return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32), deep
 
-    x, state, step = jax.lax.fori_loop(0, num_steps, body, (slots.x, slots.state, slots.step))
+    x, state, step, deep = jax.lax.fori_loop(0, num_steps, body, (slots.x, slots.state, slots.step, slots.deep))
     changed = put_lanes(
-        {"x": full.x, "state": full.state, "step": full.step}, {"x": x, "state": state, "step": step}, plan, lanes
+        {"x": full.x, "state": full.state, "step": full.step, "deep": full.deep},
+        {"x": x, "state": state, "step": step, "deep": deep},
+        plan,
+        lanes,
     )
     slots = dataclasses.replace(full, **changed)  # the rest (text, projected text, schedules) passes through
     return slots, jnp.all(jnp.isfinite(slots.x), axis=(1, 2, 3))

@@ -25,6 +25,7 @@ from PIL import Image
 
 from .. import schedulers
 from ..errors import InvalidRequest
+from ..families import FAMILIES
 from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
 from ..nn import onednn
@@ -42,6 +43,8 @@ from .slots import Job
 from .ticket import Progress, Ticket
 from .warmup import Warmup, start_in_background, warmup_plans
 from .warmup import warmup as compile_warmup
+
+MAX_DEEP_CACHE = 10  # the longest DeepCache interval a request may ask for: a whole UNet pass every 10 steps
 
 log = logging.getLogger("jax-sd")
 
@@ -114,6 +117,7 @@ class Engine:
             devices=n,
             control=model.controlnet is not None,
             loras=self.loras.names,
+            max_deep_cache=MAX_DEEP_CACHE if FAMILIES[model.family].denoise_shallow is not None else 0,
         )
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
@@ -242,13 +246,15 @@ class Engine:
         mask_image: Image.Image | None = None,
         strength: float | None = None,
         eta: float = 0.0,
+        deep_cache: int = 0,
     ) -> GenerationResult:
         """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early; `eta` is
         the sampler's stochasticity as diffusers' pipelines pass it (DDIM's eta, TCD's gamma; others ignore it).
         `control_image` (a PIL picture; a server with a ControlNet) steers every image, its residuals scaled by
         `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0). `image`:
         start from this picture (image-to-image), noised to the step `strength` selects; with `mask_image` (white =
-        repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture."""
+        repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture.
+        `deep_cache` N > 1: the UNet runs whole every N steps, its first level alone between (DeepCache)."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -268,6 +274,7 @@ class Engine:
             mask_image=mask_image,
             strength=strength,
             eta=eta,
+            deep_cache=deep_cache,
         )
         ticket = self.submit(request)
         if progress is not None:

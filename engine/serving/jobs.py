@@ -68,6 +68,7 @@ class Jobs:
             devices=self.devices,
             control=r.controlled,
             mode=modes.mode_of(r.image, r.mask_image),
+            deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
