@@ -372,3 +372,13 @@ def test_eta_is_written_when_not_zero_and_read_back_as_a1111_names_it():
     request = GenerationRequest("a cat", num_inference_steps=4, scheduler="ddim", eta=0.3)
     assert GenerationParameters.from_request(request, 0, "tiny").request_fields()["eta"] == 0.3
     assert parse_parameters("a cat\nSteps: 20, Sampler: DDIM, Seed: 1, Eta DDIM: oops").extra == {"Eta DDIM": "oops"}
+
+
+def test_deep_cache_is_written_above_1_and_read_back():
+    cached = dataclasses.replace(FULL, deep_cache=3)
+    text = format_parameters(cached)
+    assert "Deep cache: 3" in text and parse_parameters(text) == cached
+    assert "Deep cache" not in format_parameters(FULL)  # off, the default, is not written
+    request = GenerationRequest("a cat", num_inference_steps=4, scheduler="euler", deep_cache=2)
+    assert GenerationParameters.from_request(request, 0, "tiny").request_fields()["deep_cache"] == 2
+    assert GenerationParameters.from_request(dataclasses.replace(request, deep_cache=1), 0, "tiny").deep_cache == 0

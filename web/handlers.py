@@ -30,6 +30,9 @@ log = logging.getLogger("jax-sd")
 
 # The form's fields, in the order the page lists them: history entries, live drawings and PNG info use them.
 FORM_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "scheduler", "size", "images_per_device")
+FORM_FIELDS += ("deep_cache",)
+# What a history entry saved before a field existed restores for it.
+FORM_DEFAULTS = {"deep_cache": 0}
 HISTORY_LENGTH = 20
 LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
@@ -200,6 +203,7 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
         "scheduler": scheduler,
         "size": size if size and (offered is None or size in offered) else None,
         "images_per_device": None,
+        "deep_cache": params.deep_cache,
     }
     notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
     if size and values["size"] is None:
@@ -242,7 +246,7 @@ def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[l
 def restore(history: list[dict], index: int) -> list:
     """The settings of the generation at `index`, for the form (its seed fixed, so it draws the same)."""
     entry = history[index]
-    return [entry[name] for name in FORM_FIELDS] + [False]
+    return [entry[name] if name in entry else FORM_DEFAULTS[name] for name in FORM_FIELDS] + [False]
 
 
 # ---- live mode and the ControlNet's preview -------------------------------------------------

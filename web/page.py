@@ -195,6 +195,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         picture=None,
         mask=None,
         strength=None,
+        deep_cache=0,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
         """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
@@ -217,6 +218,8 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             picture: the starting picture, as the image editor sends it (its background; painted layers are the mask).
             mask: inpainting: a mask at the picture's size, white where the picture is redrawn (else the painting).
             strength: with a picture, how much is redrawn, above 0 and at most 1.
+            deep_cache: DeepCache: a whole UNet pass every this many steps, only its first level between (faster, a
+                slightly different picture); 0 or 1: every step whole.
 
         Returns:
             the pictures with "device · seed" captions, the seed used, and a line of details.
@@ -242,6 +245,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             "controlnet_conditioning_scale": controlnet_conditioning_scale,
             "lora_scales": lora_scales,
             "pictures": pictures,
+            "deep_cache": deep_cache,
         }
         async for update in run_generation(pipe, raw, progress):
             yield update
@@ -287,6 +291,14 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
                         step=1,
                         label=f"Images per device ({n} device{'s' if n != 1 else ''})",
                     )
+                    deep_cache = gr.Slider(
+                        0,
+                        max(limits.max_deep_cache, 1),
+                        value=0,
+                        step=1,
+                        label="Deep cache: a whole UNet pass every N steps, its first level alone between (0: off)",
+                        visible=limits.max_deep_cache > 0,
+                    )
                 adapters = adapter_controls(pipe)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
@@ -327,7 +339,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
 
         inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
         inputs += adapters
-        inputs += [mode, picture, mask, strength]
+        inputs += [mode, picture, mask, strength, deep_cache]
         # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
         # caller sending a bad value gets the same readable message as the page. Many requests run at
         # once: the engine batches them on the devices; Gradio's queue holds the rest.
@@ -345,7 +357,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         # Stop cancels the page's running request; the engine frees its slots at the next chunk.
         stop.click(None, cancels=[clicked, submitted], api_visibility="private")
 
-        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device]
+        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device, deep_cache]
         for done in (clicked, submitted):
             done.success(
                 handlers.remember,
@@ -374,13 +386,13 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             latest.note(request.session_hash, text)
 
         async def draw_live(
-            on, text, negative, seed_value, steps_value, guidance, kind, size_value, per, request: gr.Request
+            on, text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, request: gr.Request
         ):
             await asyncio.sleep(handlers.LIVE_PAUSE_S)
             if not on or not (text or "").strip() or not latest.is_latest(request.session_hash, text):
                 yield gr.skip(), gr.skip(), gr.skip()
                 return
-            raw = handlers.live_values(text, negative, seed_value, steps_value, guidance, kind, size_value, per)
+            raw = handlers.live_values(text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep)
             try:
                 async for gallery_update, used_seed, details in run_generation(pipe, raw, None):
                     yield gallery_update, used_seed, f"Live: “{text}” · {details}"

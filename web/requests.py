@@ -171,11 +171,13 @@ def parse_request(
     size: Any,
     images_per_device: Any,
     pictures: dict[str, Any] | None = None,
+    deep_cache: Any = 0,
     **adapters: Any,
 ) -> engine.GenerationRequest:
     """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
 
-    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size.
+    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size. `deep_cache`: a
+    whole UNet pass every that many steps (DeepCache; 0: off).
     `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional.
     Raises `engine.InvalidRequest` with a message for the user."""
     prompt = as_text(prompt, "Prompt")
@@ -203,6 +205,7 @@ def parse_request(
         width=width,
         height=height,
         num_images=per_device * len(pipe.devices),
+        deep_cache=0 if deep_cache in (None, "") else as_int(deep_cache, "Deep cache"),
         **adapter_fields(pipe, **adapters),
         **pictures,
     )

@@ -58,7 +58,7 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
 # The keys this dataclass owns; everything else stays in `extra`, in the order it came.
 _OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Denoising strength", "Clip skip")
-_OWN += ("Eta", "Eta DDIM")
+_OWN += ("Eta", "Eta DDIM", "Deep cache")
 # A1111 writes a sampler's eta only when it is not the sampler's default (0 for ours, as diffusers' pipelines):
 # "Eta DDIM" for DDIM (its `eta_infotext_field`), "Eta" for the others.
 _ETA_KEYS = {"ddim": "Eta DDIM"}
@@ -93,6 +93,7 @@ class GenerationParameters:
     clip_skip: int = 0  # layers skipped, as `GenerationRequest.clip_skip`; A1111 writes "Clip skip: 2" for 1
     strength: float | None = None  # "Denoising strength": image-to-image and inpainting only, as A1111 writes it
     eta: float = 0.0  # "Eta DDIM" (DDIM) or "Eta": the sampler's stochasticity, written when not 0
+    deep_cache: int = 0  # "Deep cache": a whole UNet pass every that many steps (DeepCache), written when above 1
     # Every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us, ...).
     extra: dict[str, str] = field(default_factory=dict, hash=False)
 
@@ -118,6 +119,7 @@ class GenerationParameters:
             extra=_adapter_entries(request),
             strength=request.strength if request.image is not None else None,
             eta=float(request.eta),
+            deep_cache=int(request.deep_cache) if request.deep_cache > 1 else 0,
         )
 
     def request_fields(self) -> dict[str, Any]:
@@ -134,6 +136,7 @@ class GenerationParameters:
             clip_skip=self.clip_skip,
             strength=self.strength,
             eta=self.eta,
+            deep_cache=self.deep_cache,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -186,6 +189,8 @@ def format_parameters(params: GenerationParameters) -> str:
         own["Clip skip"] = str(params.clip_skip + 1)
     if params.eta:
         own[_ETA_KEYS.get(params.scheduler, "Eta")] = _number(params.eta)
+    if params.deep_cache > 1:
+        own["Deep cache"] = str(params.deep_cache)
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
     ordered = [key for key in _ORDER if key in pairs] + [key for key in pairs if key not in _ORDER]
     line = ", ".join(f"{key}: {quote(pairs[key])}" for key in ordered)
@@ -251,6 +256,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         width, height = int(size.group(1)), int(size.group(2))
     clip_skip = _whole(pairs.get("Clip skip"))
     eta = _real(pairs.get("Eta DDIM", pairs.get("Eta")))
+    deep_cache = _whole(pairs.get("Deep cache"))
     values = dict(
         num_inference_steps=_whole(pairs.get("Steps")),
         scheduler=kind,
@@ -261,6 +267,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         clip_skip=max(clip_skip - 1, 0) if clip_skip is not None else 0,
         strength=_real(pairs.get("Denoising strength")),
         eta=eta or 0.0,
+        deep_cache=deep_cache or 0,
     )
     # A key whose value we could not take (an unknown sampler, a seed that is not a number) stays as text.
     taken = {
@@ -275,6 +282,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         "Clip skip": clip_skip is not None,
         "Eta": eta is not None and "Eta DDIM" not in pairs,
         "Eta DDIM": eta is not None,
+        "Deep cache": deep_cache is not None,
     }
     extra = {key: value for key, value in pairs.items() if key not in _OWN or not taken[key]}
     return GenerationParameters(
