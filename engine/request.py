@@ -51,6 +51,9 @@ class GenerationRequest:
     # DeepCache: the UNet runs whole every `deep_cache` steps and between them only its first level, reusing the
     # deep features of the last whole step (0 or 1: every step whole). Faster, not the same picture.
     deep_cache: int = 0
+    # Token merging (ToMe): this share of the first UNet level's tokens is merged into similar ones before each of
+    # its self-attentions and copied back after (A1111's "Token merging ratio"; 0: off). Faster, not the same picture.
+    token_merging: float = 0.0
 
     @property
     def guided(self) -> bool:
@@ -115,6 +118,7 @@ class Limits:
     lora_scale_range: tuple[float, float] = (-2.0, 2.0)  # negative weights push away from a LoRA's style
     eta_range: tuple[float, float] = (0.0, 1.0)
     max_deep_cache: int = 0  # the longest DeepCache interval; 0: the model's denoiser has no deep features to reuse
+    max_token_merging: float = 0.0  # the largest token merging ratio; 0: the model's denoiser has no UNet levels
 
     @property
     def min_side(self) -> int:
@@ -197,8 +201,22 @@ class Limits:
                 f"got {r.eta!r}"
             )
         self._check_deep_cache(r)
+        self._check_token_merging(r)
         self._check_adapters(r)
         self._check_images(r)
+
+    def _check_token_merging(self, r: GenerationRequest) -> None:
+        if _number(r.token_merging) and r.token_merging == 0:
+            return
+        if self.max_token_merging == 0:
+            raise InvalidRequest(
+                f"token_merging must be 0: this model's denoiser has no UNet levels to merge in, got {r.token_merging!r}"
+            )
+        if not _number(r.token_merging) or not 0 <= r.token_merging <= self.max_token_merging:
+            raise InvalidRequest(
+                f"token_merging must be a number from 0 (off) to {self.max_token_merging:g} (the share of the first "
+                f"level's tokens merged before its self-attentions), got {r.token_merging!r}"
+            )
 
     def _check_deep_cache(self, r: GenerationRequest) -> None:
         if _whole(r.deep_cache) and r.deep_cache in (0, 1):

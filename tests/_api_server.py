@@ -85,6 +85,7 @@ class FakeEngine:
         max_images=8,
         loras=("style",),
         max_deep_cache=10,
+        max_token_merging=0.75,
     )
 
     def __init__(self, error: Exception | None = None, hold: bool = False):

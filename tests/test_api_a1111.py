@@ -108,6 +108,8 @@ def test_clip_skip_lora_tags_and_unknown_fields(fake):
     request = pipe.calls[-1]
     assert request.clip_skip == 1 and request.lora_scales == {"style": 0.5}
     assert request.prompt == "a red circle , bright"
+    merged = {**BODY, "override_settings": {"token_merging_ratio": 0.5}}  # A1111's own ToMe setting
+    assert client.post("/sdapi/v1/txt2img", json=merged).status_code == 200 and pipe.calls[-1].token_merging == 0.5
     seeded = client.post("/sdapi/v1/txt2img", json={**BODY, "seed": -1}).json()
     assert 0 <= json.loads(seeded["info"])["seed"] < engine.SEED_LIMIT
 

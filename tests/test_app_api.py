@@ -49,6 +49,7 @@ class FakeEngine:
         sizes=((64, 64), (88, 64)),
         max_steps=50,
         max_deep_cache=10,
+        max_token_merging=0.75,
     )
 
     def __init__(self, error: Exception | None = None):
@@ -136,22 +137,26 @@ def test_parse_request_turns_page_values_into_a_request():
     )
     assert requests.parse_request(FakeEngine(), **page_values(negative_prompt=" blurry ")).negative_prompt == "blurry"
     assert requests.parse_request(FakeEngine(), **page_values(deep_cache="3")).deep_cache == 3
+    assert requests.parse_request(FakeEngine(), **page_values(token_merging=0.5)).token_merging == 0.5
 
 
-@pytest.mark.parametrize("most", [10, 0])
-def test_the_deep_cache_slider_shows_only_where_the_model_can_reuse_deep_features(most):
+@pytest.mark.parametrize("unet", [True, False])
+@pytest.mark.parametrize(
+    ("label", "limit", "most"), [("Deep cache", "max_deep_cache", 10), ("Token merging", "max_token_merging", 0.75)]
+)
+def test_the_unet_speed_ups_show_only_where_the_model_has_unet_levels(unet, label, limit, most):
     pipe = FakeEngine()
-    pipe.limits = dataclasses.replace(FakeEngine.limits, max_deep_cache=most)
+    pipe.limits = dataclasses.replace(FakeEngine.limits, **{limit: most if unet else 0})
     demo = page.create_demo(pipe)
-    (slider,) = [c["props"] for c in demo.config["components"] if c["props"].get("label", "").startswith("Deep cache")]
-    assert slider["visible"] is (most > 0) and slider["value"] == 0
-    if most:
+    (slider,) = [c["props"] for c in demo.config["components"] if c["props"].get("label", "").startswith(label)]
+    assert slider["visible"] is unet and slider["value"] == 0
+    if unet:
         assert slider["maximum"] == most
 
 
-def test_a_history_entry_saved_before_deep_cache_restores_it_off():
-    old = dict(zip(handlers.FORM_FIELDS[:-1], ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1], strict=True))
-    assert handlers.restore([old], 0) == ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 0, False]
+def test_a_history_entry_saved_before_the_speed_ups_restores_them_off():
+    old = dict(zip(handlers.FORM_FIELDS[:-2], ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1], strict=True))
+    assert handlers.restore([old], 0) == ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 0, 0.0, False]
 
 
 @pytest.mark.parametrize(
@@ -447,10 +452,10 @@ def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
 def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
     picture = tmp_path / "p.png"
     Image.new("RGB", (64, 64), "red").save(picture)
-    form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 2]
+    form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 2, 0.5]
     history, shown = handlers.remember([], [(str(picture), "cpu:0 · seed 7")], *form)
     history, shown = handlers.remember(
-        history, [(str(picture), "cpu:0 · seed 8")], "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0
+        history, [(str(picture), "cpu:0 · seed 8")], "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0, 0.0
     )
     assert [entry["prompt"] for entry in history] == ["a dog", "a cat"] and len(shown) == 2
     assert shown[1][0].size == (64, 64) and shown[1][1] == "seed 7"
@@ -474,12 +479,14 @@ def test_a_dropped_picture_fills_the_form_with_its_recipe(tmp_path):
         height=64,
         model="sd15",
         deep_cache=3,
+        token_merging=0.4,
     )
     save_png(Image.new("RGB", (88, 64)), picture, recipe)
     *form, random_seed, note = page.read_png_info(FakeEngine(), str(picture))
     assert form[:6] == ["a cat, (masterpiece:1.2)", "blurry", 1234, 30, 6.5, "euler_a"]
     assert form[6] == "88x64" and random_seed is False and "seed 1234" in note
-    assert dict(zip(handlers.FORM_FIELDS, form, strict=True))["deep_cache"] == 3
+    form = dict(zip(handlers.FORM_FIELDS, form, strict=True))
+    assert (form["deep_cache"], form["token_merging"]) == (3, 0.4)
 
 
 def test_automatic1111s_own_text_fills_the_form_the_same_way(tmp_path):
@@ -599,7 +606,7 @@ def test_the_api_keeps_its_old_parameters_first_and_the_picture_ones_have_defaul
         "images_per_device",
     ]
     extra = {p["parameter_name"]: p for p in api[9:]}
-    assert {"mode", "picture", "mask", "strength", "deep_cache"} <= set(extra)
+    assert {"mode", "picture", "mask", "strength", "deep_cache", "token_merging"} <= set(extra)
     assert all(p["parameter_has_default"] for p in extra.values())
     assert extra["mode"]["parameter_default"] == "Text to image"
 

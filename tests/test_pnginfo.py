@@ -374,6 +374,15 @@ def test_eta_is_written_when_not_zero_and_read_back_as_a1111_names_it():
     assert parse_parameters("a cat\nSteps: 20, Sampler: DDIM, Seed: 1, Eta DDIM: oops").extra == {"Eta DDIM": "oops"}
 
 
+def test_token_merging_is_written_as_a1111_names_it_and_read_back():
+    merged = dataclasses.replace(FULL, token_merging=0.5)
+    text = format_parameters(merged)
+    assert "Token merging ratio: 0.5" in text and parse_parameters(text) == merged
+    assert "Token merging" not in format_parameters(FULL)
+    request = GenerationRequest("a cat", num_inference_steps=4, scheduler="euler", token_merging=0.3)
+    assert GenerationParameters.from_request(request, 0, "tiny").request_fields()["token_merging"] == 0.3
+
+
 def test_deep_cache_is_written_above_1_and_read_back():
     cached = dataclasses.replace(FULL, deep_cache=3)
     text = format_parameters(cached)

@@ -118,6 +118,7 @@ def build_request(
         num_images=body.batch_size * body.n_iter,
         clip_skip=names.a1111_clip_skip(clip),
         lora_scales=loras,
+        token_merging=settings.get("token_merging_ratio"),
         **(pictures or {}),
     )
 

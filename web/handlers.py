@@ -30,9 +30,9 @@ log = logging.getLogger("jax-sd")
 
 # The form's fields, in the order the page lists them: history entries, live drawings and PNG info use them.
 FORM_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "scheduler", "size", "images_per_device")
-FORM_FIELDS += ("deep_cache",)
+FORM_FIELDS += ("deep_cache", "token_merging")
 # What a history entry saved before a field existed restores for it.
-FORM_DEFAULTS = {"deep_cache": 0}
+FORM_DEFAULTS = {"deep_cache": 0, "token_merging": 0.0}
 HISTORY_LENGTH = 20
 LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
@@ -204,6 +204,7 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
         "size": size if size and (offered is None or size in offered) else None,
         "images_per_device": None,
         "deep_cache": params.deep_cache,
+        "token_merging": params.token_merging,
     }
     notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
     if size and values["size"] is None:

@@ -6,7 +6,8 @@ Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
   the model's own; `n` pictures get seeds seed, seed+1, ...
 - Our request's own names ride along as extra body fields: `negative_prompt`, `seed`, `num_inference_steps`,
   `guidance_scale`, `scheduler` (our kinds, "euler_a", or A1111's sampler names), `clip_skip`, `eta`,
-  `deep_cache` (a whole UNet pass every that many steps, the first level alone between), and for edits `strength`. With the `openai` client: `extra_body={"seed": 5}`.
+  `deep_cache` (a whole UNet pass every that many steps, the first level alone between), `token_merging` (the
+  share of the first level's tokens merged before its self-attentions), and for edits `strength`. With the `openai` client: `extra_body={"seed": 5}`.
 - `response_format`: "b64_json" (the default, as gpt-image models answer) or "url": a link to the PNG on this
   server, kept for `LINK_TTL_S` (at most `LINK_MAX_BYTES` of them; the oldest go first).
 - `edits` (multipart): `image`, and an optional `mask` in OpenAI's convention (transparent pixels are redrawn):
@@ -57,6 +58,7 @@ class GenerationsBody(BaseModel):
     clip_skip: int | None = None
     eta: float | None = None
     deep_cache: int | None = None
+    token_merging: float | None = None
 
 
 class EditsBody(GenerationsBody):
@@ -130,6 +132,7 @@ async def draw(
         clip_skip=body.clip_skip or 0,
         eta=body.eta,
         deep_cache=body.deep_cache,
+        token_merging=body.token_merging,
         lora_scales=loras,
         **(pictures or {}),
     )

@@ -196,6 +196,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         mask=None,
         strength=None,
         deep_cache=0,
+        token_merging=0.0,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
         """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
@@ -220,6 +221,8 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             strength: with a picture, how much is redrawn, above 0 and at most 1.
             deep_cache: DeepCache: a whole UNet pass every this many steps, only its first level between (faster, a
                 slightly different picture); 0 or 1: every step whole.
+            token_merging: the share of the first UNet level's tokens merged into similar ones before its
+                self-attentions (ToMe: faster, a slightly different picture); 0: off.
 
         Returns:
             the pictures with "device · seed" captions, the seed used, and a line of details.
@@ -246,6 +249,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             "lora_scales": lora_scales,
             "pictures": pictures,
             "deep_cache": deep_cache,
+            "token_merging": token_merging,
         }
         async for update in run_generation(pipe, raw, progress):
             yield update
@@ -299,6 +303,14 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
                         label="Deep cache: a whole UNet pass every N steps, its first level alone between (0: off)",
                         visible=limits.max_deep_cache > 0,
                     )
+                    token_merging = gr.Slider(
+                        0.0,
+                        max(limits.max_token_merging, 0.05),
+                        value=0.0,
+                        step=0.05,
+                        label="Token merging ratio: the share of the first level's tokens merged (0: off)",
+                        visible=limits.max_token_merging > 0,
+                    )
                 adapters = adapter_controls(pipe)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
@@ -339,7 +351,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
 
         inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
         inputs += adapters
-        inputs += [mode, picture, mask, strength, deep_cache]
+        inputs += [mode, picture, mask, strength, deep_cache, token_merging]
         # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
         # caller sending a bad value gets the same readable message as the page. Many requests run at
         # once: the engine batches them on the devices; Gradio's queue holds the rest.
@@ -357,7 +369,8 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         # Stop cancels the page's running request; the engine frees its slots at the next chunk.
         stop.click(None, cancels=[clicked, submitted], api_visibility="private")
 
-        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device, deep_cache]
+        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device]
+        form += [deep_cache, token_merging]
         for done in (clicked, submitted):
             done.success(
                 handlers.remember,
@@ -386,13 +399,25 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             latest.note(request.session_hash, text)
 
         async def draw_live(
-            on, text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, request: gr.Request
+            on,
+            text,
+            negative,
+            seed_value,
+            steps_value,
+            guidance,
+            kind,
+            size_value,
+            per,
+            deep,
+            merging,
+            request: gr.Request,
         ):
             await asyncio.sleep(handlers.LIVE_PAUSE_S)
             if not on or not (text or "").strip() or not latest.is_latest(request.session_hash, text):
                 yield gr.skip(), gr.skip(), gr.skip()
                 return
-            raw = handlers.live_values(text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep)
+            values = (text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, merging)
+            raw = handlers.live_values(*values)
             try:
                 async for gallery_update, used_seed, details in run_generation(pipe, raw, None):
                     yield gallery_update, used_seed, f"Live: “{text}” · {details}"

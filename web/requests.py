@@ -172,12 +172,14 @@ def parse_request(
     images_per_device: Any,
     pictures: dict[str, Any] | None = None,
     deep_cache: Any = 0,
+    token_merging: Any = 0.0,
     **adapters: Any,
 ) -> engine.GenerationRequest:
     """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
 
     `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size. `deep_cache`: a
-    whole UNet pass every that many steps (DeepCache; 0: off).
+    whole UNet pass every that many steps (DeepCache; 0: off); `token_merging`: the share of the first UNet level's
+    tokens merged before its self-attentions (ToMe; 0: off).
     `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional.
     Raises `engine.InvalidRequest` with a message for the user."""
     prompt = as_text(prompt, "Prompt")
@@ -206,6 +208,7 @@ def parse_request(
         height=height,
         num_images=per_device * len(pipe.devices),
         deep_cache=0 if deep_cache in (None, "") else as_int(deep_cache, "Deep cache"),
+        token_merging=0.0 if token_merging in (None, "") else as_float(token_merging, "Token merging ratio"),
         **adapter_fields(pipe, **adapters),
         **pictures,
     )
@@ -236,6 +239,7 @@ def api_request(
     strength: Any = None,
     eta: Any = None,
     deep_cache: Any = None,
+    token_merging: Any = None,
 ) -> engine.GenerationRequest:
     """A REST API's values, already under our names, as a request; None takes the model's default (an image
     brings its own size). A seed of None or -1 is drawn at random. The engine checks every range."""
@@ -257,4 +261,5 @@ def api_request(
         strength=None if strength is None else as_float(strength, "strength"),
         eta=0.0 if eta is None else as_float(eta, "eta"),
         deep_cache=0 if deep_cache is None else as_int(deep_cache, "deep_cache"),
+        token_merging=0.0 if token_merging is None else as_float(token_merging, "token_merging"),
     )

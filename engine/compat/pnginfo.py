@@ -58,7 +58,7 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
 # The keys this dataclass owns; everything else stays in `extra`, in the order it came.
 _OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Denoising strength", "Clip skip")
-_OWN += ("Eta", "Eta DDIM", "Deep cache")
+_OWN += ("Eta", "Eta DDIM", "Deep cache", "Token merging ratio")
 # A1111 writes a sampler's eta only when it is not the sampler's default (0 for ours, as diffusers' pipelines):
 # "Eta DDIM" for DDIM (its `eta_infotext_field`), "Eta" for the others.
 _ETA_KEYS = {"ddim": "Eta DDIM"}
@@ -94,6 +94,7 @@ class GenerationParameters:
     strength: float | None = None  # "Denoising strength": image-to-image and inpainting only, as A1111 writes it
     eta: float = 0.0  # "Eta DDIM" (DDIM) or "Eta": the sampler's stochasticity, written when not 0
     deep_cache: int = 0  # "Deep cache": a whole UNet pass every that many steps (DeepCache), written when above 1
+    token_merging: float = 0.0  # "Token merging ratio", as A1111 writes ToMe's ratio, when not 0
     # Every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us, ...).
     extra: dict[str, str] = field(default_factory=dict, hash=False)
 
@@ -120,6 +121,7 @@ class GenerationParameters:
             strength=request.strength if request.image is not None else None,
             eta=float(request.eta),
             deep_cache=int(request.deep_cache) if request.deep_cache > 1 else 0,
+            token_merging=float(request.token_merging),
         )
 
     def request_fields(self) -> dict[str, Any]:
@@ -137,6 +139,7 @@ class GenerationParameters:
             strength=self.strength,
             eta=self.eta,
             deep_cache=self.deep_cache,
+            token_merging=self.token_merging,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -191,6 +194,8 @@ def format_parameters(params: GenerationParameters) -> str:
         own[_ETA_KEYS.get(params.scheduler, "Eta")] = _number(params.eta)
     if params.deep_cache > 1:
         own["Deep cache"] = str(params.deep_cache)
+    if params.token_merging:
+        own["Token merging ratio"] = _number(params.token_merging)
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
     ordered = [key for key in _ORDER if key in pairs] + [key for key in pairs if key not in _ORDER]
     line = ", ".join(f"{key}: {quote(pairs[key])}" for key in ordered)
@@ -257,6 +262,7 @@ def parse_parameters(text: str) -> GenerationParameters:
     clip_skip = _whole(pairs.get("Clip skip"))
     eta = _real(pairs.get("Eta DDIM", pairs.get("Eta")))
     deep_cache = _whole(pairs.get("Deep cache"))
+    token_merging = _real(pairs.get("Token merging ratio"))
     values = dict(
         num_inference_steps=_whole(pairs.get("Steps")),
         scheduler=kind,
@@ -268,6 +274,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         strength=_real(pairs.get("Denoising strength")),
         eta=eta or 0.0,
         deep_cache=deep_cache or 0,
+        token_merging=token_merging or 0.0,
     )
     # A key whose value we could not take (an unknown sampler, a seed that is not a number) stays as text.
     taken = {
@@ -283,6 +290,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         "Eta": eta is not None and "Eta DDIM" not in pairs,
         "Eta DDIM": eta is not None,
         "Deep cache": deep_cache is not None,
+        "Token merging ratio": token_merging is not None,
     }
     extra = {key: value for key, value in pairs.items() if key not in _OWN or not taken[key]}
     return GenerationParameters(

@@ -277,6 +277,14 @@ class UNet2DConditionModel(nnx.Module):
         x = self.up_blocks[-1](deep.astype(x.dtype), [x, *block_skips], temb, context)
         return self.conv_out(self.conv_norm_out(x, silu=True))
 
+    def merge_tokens(self, ratio: float) -> None:
+        """Token merging (`nn.token_merging`) at `ratio` before the first level's self-attentions, as tomesd's
+        defaults (`max_downsample` 1): set on this copy of the network, a traced one for one program."""
+        for block in (self.down_blocks[0], self.up_blocks[-1]):
+            for transformer in block.attentions or []:
+                for layer in transformer.transformer_blocks:
+                    layer.merge_ratio = ratio
+
     def deep_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
         """The deep features' shape for a [batch, height, width, c] sample: the last up block's input."""
         return (batch, height, width, self.config.block_out_channels[min(1, self.config.num_blocks - 1)])

@@ -20,6 +20,7 @@ from flax import nnx
 
 from . import onednn
 from .attention import dot_product_attention, softmax_attention  # noqa: F401 - the text encoder's plain path
+from .token_merging import bipartite_merge
 
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
 
@@ -307,9 +308,18 @@ class BasicTransformerBlock(nnx.Module):
         self.attn2 = Attention(dim, heads, dim_head, rngs, cross_dim=cross_dim)
         self.norm3 = layer_norm(dim, 1e-5, rngs)
         self.ff = FeedForward(dim, rngs)
+        # Token merging (nn/token_merging.py): the share of the image's tokens merged before the self-attention;
+        # set on a traced copy of the network for one program (`UNet2DConditionModel.merge_tokens`), 0 in the params.
+        self.merge_ratio = 0.0
 
-    def __call__(self, x: jax.Array, context: Context) -> jax.Array:
-        x = x + self.attn1(self.norm1(x))
+    def __call__(self, x: jax.Array, context: Context, size: tuple[int, int] | None = None) -> jax.Array:
+        """x [batch, tokens, dim]; `size`: the image's (h, w) in tokens, which token merging needs."""
+        normed = self.norm1(x)
+        if self.merge_ratio and size is not None:
+            merge, unmerge = bipartite_merge(x, *size, int(x.shape[1] * self.merge_ratio))
+            x = x + unmerge(self.attn1(merge(normed)))
+        else:
+            x = x + self.attn1(normed)
         x = x + self.attn2(self.norm2(x), context)
         return x + self.ff(self.norm3(x))
 
@@ -349,7 +359,7 @@ class Transformer2DModel(nnx.Module):
         else:
             x = self.proj_in(x).reshape(b, h * w, c)  # [batch, tokens, channels]
         for block in self.transformer_blocks:
-            x = block(x, context)
+            x = block(x, context, (h, w))
         if self.use_linear_projection:
             x = self.proj_out(x).reshape(b, h, w, c)
         else:

@@ -52,6 +52,7 @@ class Plan:
     # DeepCache: a chunk's step runs the UNet whole only where some slot is at a multiple of this (its deep features
     # kept in `Slots.deep`), else its first level alone over them (`Family.denoise_shallow`); 0 or 1: always whole
     deep_cache: int = 0
+    token_merging: float = 0.0  # the UNet's first level merges this share of its tokens (`nn.token_merging`); 0: off
 
     @property
     def slots_per_device(self) -> int:
@@ -260,6 +261,8 @@ def advance(
     def body(_, carry):
         x, state, i, deep = carry
         models = nnx.merge(graphdef, dequantize(params, after=x))  # the same arrays for a tree with no int8 kernel
+        if plan.token_merging:  # on this traced copy of the network only
+            getattr(models, family.denoiser).merge_tokens(plan.token_merging)
         active = i < t.num_loop_steps  # [batch]
         model_in = jax.vmap(lambda tab, j, row: schedulers.scale_model_input(kind, tab, j, row))(t, i, x)
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]

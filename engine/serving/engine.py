@@ -45,6 +45,7 @@ from .warmup import Warmup, start_in_background, warmup_plans
 from .warmup import warmup as compile_warmup
 
 MAX_DEEP_CACHE = 10  # the longest DeepCache interval a request may ask for: a whole UNet pass every 10 steps
+MAX_TOKEN_MERGING = 0.75  # the largest token merging ratio a request may ask for (tomesd's own upper advice)
 
 log = logging.getLogger("jax-sd")
 
@@ -118,6 +119,7 @@ class Engine:
             control=model.controlnet is not None,
             loras=self.loras.names,
             max_deep_cache=MAX_DEEP_CACHE if FAMILIES[model.family].denoise_shallow is not None else 0,
+            max_token_merging=MAX_TOKEN_MERGING if FAMILIES[model.family].denoiser == "unet" else 0.0,
         )
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
@@ -247,6 +249,7 @@ class Engine:
         strength: float | None = None,
         eta: float = 0.0,
         deep_cache: int = 0,
+        token_merging: float = 0.0,
     ) -> GenerationResult:
         """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early; `eta` is
         the sampler's stochasticity as diffusers' pipelines pass it (DDIM's eta, TCD's gamma; others ignore it).
@@ -254,7 +257,8 @@ class Engine:
         `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0). `image`:
         start from this picture (image-to-image), noised to the step `strength` selects; with `mask_image` (white =
         repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture.
-        `deep_cache` N > 1: the UNet runs whole every N steps, its first level alone between (DeepCache)."""
+        `deep_cache` N > 1: the UNet runs whole every N steps, its first level alone between (DeepCache);
+        `token_merging` r: that share of the first level's tokens is merged before its self-attentions (ToMe)."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -275,6 +279,7 @@ class Engine:
             strength=strength,
             eta=eta,
             deep_cache=deep_cache,
+            token_merging=token_merging,
         )
         ticket = self.submit(request)
         if progress is not None:

@@ -69,6 +69,7 @@ class Jobs:
             control=r.controlled,
             mode=modes.mode_of(r.image, r.mask_image),
             deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
+            token_merging=float(r.token_merging),
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
