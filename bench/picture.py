@@ -117,16 +117,14 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
     return pipe_dir, tiny_dir
 
 
-def time_ours(
-    pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str, deep_cache: int = 0
-) -> dict:
+def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str, speedups: dict) -> dict:
     from engine import keep_freed_memory, load_pipeline, pair_cores
 
     pair_cores(dtype)  # as the app runs on a CPU host: core pairs in f32, none in bf16 through oneDNN
     keep_freed_memory()  # as the app does
     pipe = load_pipeline(pipe_dir, dtype, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
     size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
-    kwargs["deep_cache"] = deep_cache
+    kwargs.update(speedups)  # deep_cache, token_merging
 
     def picture(n: int) -> None:
         pipe.generate("a photo of a cat", height=size, width=size, num_inference_steps=n, **kwargs)
@@ -230,14 +228,14 @@ SYSTEMS = (
 )
 
 
-def worker(system: str, model: str, folder: Path, steps: list[int], deep_cache: int = 0) -> dict:
+def worker(system: str, model: str, folder: Path, steps: list[int], speedups: dict) -> dict:
     pipe_dir, tiny_dir = write_models(model, folder)
     tiny = tiny_dir if system.endswith("taesd") else None
     if system == "openvino-taesd":
         return time_openvino(pipe_dir, tiny_dir, MODELS[model], steps)
     if system.startswith("ours"):
         dtype = "bfloat16" if "bf16" in system else "float32"
-        return time_ours(pipe_dir, tiny, MODELS[model], steps, dtype, deep_cache)
+        return time_ours(pipe_dir, tiny, MODELS[model], steps, dtype, speedups)
     return time_diffusers(pipe_dir, tiny, MODELS[model], steps, bf16="bf16" in system)
 
 
@@ -249,10 +247,12 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=[s for s in SYSTEMS if s != "openvino-taesd"])
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "jax-sd-bench-picture")
     parser.add_argument("--deep-cache", type=int, default=0, help="ours: a whole UNet pass every N steps (DeepCache)")
+    parser.add_argument("--token-merging", type=float, default=0.0, help="ours: the share of tokens merged (ToMe)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.model, args.folder, args.steps, args.deep_cache)), flush=True)
+        speedups = dict(deep_cache=args.deep_cache, token_merging=args.token_merging)
+        print(json.dumps(worker(args.worker, args.model, args.folder, args.steps, speedups)), flush=True)
         return
     args.folder.mkdir(parents=True, exist_ok=True)
     write_models(args.model, args.folder)
@@ -273,7 +273,9 @@ def main() -> None:
                 raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
             rounds[system].append(json.loads(done.stdout.strip().splitlines()[-1]))
     load = os.getloadavg()[0]
-    cached = f", ours with deep_cache={args.deep_cache}" if args.deep_cache > 1 else ""
+    speedups = [f"deep_cache={args.deep_cache}"] * (args.deep_cache > 1)
+    speedups += [f"token_merging={args.token_merging:g}"] * (args.token_merging > 0)
+    cached = f", ours with {' and '.join(speedups)}" if speedups else ""
     print(
         f"# {args.model}, {MODELS[args.model]['size']}px, seconds per picture, best of {args.rounds} round(s){cached}"
     )

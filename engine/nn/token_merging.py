@@ -35,7 +35,10 @@ def bipartite_merge(metric: jax.Array, h: int, w: int, r: int) -> tuple[Callable
     unit = metric.astype(jnp.float32)
     unit = unit / jnp.linalg.norm(unit, axis=-1, keepdims=True)
     scores = unit[:, src_idx] @ jnp.swapaxes(unit[:, dst_idx], 1, 2)  # [batch, sources, destinations]
-    best, best_dst = scores.max(axis=-1), scores.argmax(axis=-1)
+    best = scores.max(axis=-1)
+    # the first destination at the maximum: a min over indices, which XLA's CPU vectorizes (its argmax it does not)
+    columns = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    best_dst = jnp.min(jnp.where(scores == best[..., None], columns, scores.shape[-1]), axis=-1)
     order = jnp.argsort(-best, axis=-1)  # the most similar sources first
     merged, kept = order[:, :r], order[:, r:]  # positions among the sources
     into = jnp.take_along_axis(best_dst, merged, axis=-1)  # [batch, r]: each merged source's destination
