@@ -7,7 +7,7 @@ transformers (adaLN modulation, q/k RMS norm, the tanh-GELU feed-forward, timest
 `onednn.py` (with its C++ handlers, `onednn.cc` and `attention.cc`, and our own vector loops, `cpu_loops.cc`) the
 CPU's bf16 matrix products, convolutions (upsampling ones as four phase convolutions) and attention in oneDNN,
 GroupNorm + SiLU and GEGLU's gate, which `Linear`, `Conv`, `GroupNorm`, `GEGLU` and `attention.py` call where they
-run in bf16 on the CPU.
+run in bf16 on the CPU; `token_merging.py` ToMe's bipartite merging of an image's tokens around a self-attention.
 NHWC throughout.
 
 May import: jax, flax, numpy. Nothing of the engine: this is the bottom layer.
