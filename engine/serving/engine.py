@@ -259,28 +259,8 @@ class Engine:
         repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture.
         `deep_cache` N > 1: the UNet runs whole every N steps, its first level alone between (DeepCache);
         `token_merging` r: that share of the first level's tokens is merged before its self-attentions (ToMe)."""
-        request = GenerationRequest(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            seed=seed,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            height=height,
-            width=width,
-            num_images=num_images,
-            scheduler=scheduler,
-            clip_skip=clip_skip,
-            latents=latents,
-            control_image=control_image,
-            controlnet_conditioning_scale=controlnet_conditioning_scale,
-            lora_scales=lora_scales,
-            image=image,
-            mask_image=mask_image,
-            strength=strength,
-            eta=eta,
-            deep_cache=deep_cache,
-            token_merging=token_merging,
-        )
+        fields = {name: value for name, value in locals().items() if name not in ("self", "progress")}
+        request = GenerationRequest(**fields)  # every argument but `progress` is the request's field of that name
         ticket = self.submit(request)
         if progress is not None:
             ticket.subscribe(lambda e: progress(e.step, e.total) if isinstance(e, Progress) else None)
