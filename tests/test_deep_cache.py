@@ -86,14 +86,17 @@ def nhwc(a) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=["sd1", "turbo"])
 def folder(request, tmp_path_factory):
-    """A tiny SD 1.x folder (CrossAttn blocks at the first level, guidance) and an SD-Turbo one (SD 2.x layout)."""
+    """A tiny SD 1.x folder (CrossAttn blocks at the first level, guidance) and an SD-Turbo one (SD 2.x layout), and
+    our engine serving it (one per folder, closed after: an engine holds threads and compiled programs)."""
     path = tmp_path_factory.mktemp(f"deep-cache-{request.param}")
     tiny_pipeline.write(request.param, path)
-    return request.param, path
+    ours = load_pipeline(path)
+    yield request.param, path, ours
+    ours.close()
 
 
 def test_the_first_level_over_another_step_s_deep_features_is_diffusers(folder):
-    _, path = folder
+    _, path, _ = folder
     torch_unet = UNet2DConditionModel.from_pretrained(path / "unet").eval()
     model = load_model_folder(path, "float32")
     unet = nnx.merge(model.graphdef, model.params).unet
@@ -115,10 +118,9 @@ def test_the_first_level_over_another_step_s_deep_features_is_diffusers(folder):
 
 @pytest.mark.parametrize("every", [2, 3])
 def test_a_deep_cached_picture_is_diffusers_with_the_same_reuse(folder, every):
-    variant, path = folder
+    variant, path, ours = folder
     guidance = 7.5 if variant == "sd1" else 0.0  # SD 1.x with its unconditional rows, SD-Turbo without
     scheduler = "euler" if variant == "turbo" else "ddim"
-    ours = load_pipeline(path)
     reference = tiny_pipeline.write(variant, path.parent / f"{path.name}-reference")
     reference.scheduler = (DDIMScheduler if scheduler == "ddim" else EulerDiscreteScheduler).from_config(
         reference.scheduler.config
@@ -137,15 +139,14 @@ def test_a_deep_cached_picture_is_diffusers_with_the_same_reuse(folder, every):
 
 
 def test_deep_cache_1_is_every_step_whole(folder):
-    _, path = folder
-    ours = load_pipeline(path)
+    _, _, ours = folder
     kw = dict(seed=3, num_inference_steps=3, height=SIZE, width=SIZE, num_images=1)
     np.testing.assert_array_equal(ours.generate(PROMPT, deep_cache=1, **kw).arrays, ours.generate(PROMPT, **kw).arrays)
 
 
 @pytest.mark.parametrize("value", [-1, 11, 2.5, "2", True])
 def test_a_deep_cache_out_of_range_is_refused_by_name(folder, value):
-    ours = load_pipeline(folder[1])
+    ours = folder[2]
     with pytest.raises(InvalidRequest, match="deep_cache must be a whole number from 0"):
         ours.generate(PROMPT, deep_cache=value, height=SIZE, width=SIZE)
 

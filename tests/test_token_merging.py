@@ -59,14 +59,17 @@ def tome_block(block, size: tuple[int, int], ratio: float):
 
 @pytest.fixture(scope="module", params=["sd1", "turbo"])
 def folder(request, tmp_path_factory):
+    """A tiny SD 1.x and an SD-Turbo folder, and our engine serving it (closed after)."""
     path = tmp_path_factory.mktemp(f"tome-{request.param}")
     tiny_pipeline.write(request.param, path)
-    return request.param, path
+    ours = load_pipeline(path)
+    yield request.param, path, ours
+    ours.close()
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.3])
 def test_a_token_merged_picture_is_diffusers_with_tomesd_s_merging(folder, ratio):
-    variant, path = folder
+    variant, path, ours = folder
     reference = tiny_pipeline.write(variant, path.parent / f"{path.name}-reference")
     latent = (SIZE // 8, SIZE // 8)
     first_level = [*reference.unet.down_blocks[0].attentions, *reference.unet.up_blocks[-1].attentions]
@@ -79,7 +82,6 @@ def test_a_token_merged_picture_is_diffusers_with_tomesd_s_merging(folder, ratio
     kw = dict(num_inference_steps=3, guidance_scale=guidance, height=SIZE, width=SIZE)
     with torch.no_grad():
         want = reference(PROMPT, latents=torch.from_numpy(latents), num_images_per_prompt=2, output_type="np", **kw)
-    ours = load_pipeline(path)
     got = ours.generate(PROMPT, seed=0, num_images=2, latents=latents, token_merging=ratio, **kw)
     whole = ours.generate(PROMPT, seed=0, num_images=2, latents=latents, **kw)
     assert np.abs(got.arrays - want.images).max() < TOLERANCE
