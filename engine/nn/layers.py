@@ -94,18 +94,25 @@ class Conv(nnx.Conv):
             out = jax.nn.relu(out) if relu else out
         return out
 
+    def _plain(self) -> bool:
+        """No dilation, no groups, explicit (low, high) padding per side: what oneDNN's convolution calls take."""
+        return (
+            self.kernel_dilation in (None, 1, (1, 1))
+            and self.input_dilation in (None, 1, (1, 1))
+            and self.feature_group_count == 1
+            and isinstance(self.padding, tuple | list)
+            and all(len(side) == 2 for side in self.padding)
+        )
+
     def upsampled(self, x: jax.Array) -> jax.Array:
         """Nearest-neighbour 2x upsampling of x, then this convolution. A 3x3 one with padding 1 on the bf16 CPU path
         runs as four 2x2 convolutions over x itself (`onednn.upsample_conv`: 16/36 of the products, no upsampled x
         written; SD-Turbo's UNet step -35 ms); any other upsamples first."""
         kernel = self.kernel[...]
         plain = (
-            self.kernel_size == (3, 3)
+            self._plain()
+            and self.kernel_size == (3, 3)
             and self.strides in (None, 1, (1, 1))
-            and self.kernel_dilation in (None, 1, (1, 1))
-            and self.input_dilation in (None, 1, (1, 1))
-            and self.feature_group_count == 1
-            and isinstance(self.padding, tuple | list)
             and tuple(map(tuple, self.padding)) == ((1, 1), (1, 1))
         )
         if plain and onednn.serves(kernel.dtype):
@@ -118,14 +125,7 @@ class Conv(nnx.Conv):
         kh, kw = self.kernel_size
         b, h, w, c = x.shape
         kernel = self.kernel[...]
-        plain = (
-            self.kernel_dilation in (None, 1, (1, 1))
-            and self.input_dilation in (None, 1, (1, 1))
-            and self.feature_group_count == 1
-            and isinstance(self.padding, tuple | list)
-            and all(len(side) == 2 for side in self.padding)
-        )
-        if plain and onednn.serves(kernel.dtype):
+        if self._plain() and onednn.serves(kernel.dtype):
             bias = self.bias[...] if self.bias is not None else None
             strides = (1, 1) if self.strides is None else tuple(np.broadcast_to(self.strides, 2).tolist())
             out_dtype = jnp.result_type(x.dtype, kernel.dtype)

@@ -110,6 +110,7 @@ class Engine:
         self.defaults = dict(model.defaults)
         self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels
+        unet_levels = FAMILIES[model.family].denoise_shallow is not None  # DeepCache and token merging need them
         self.limits = Limits(
             schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
             side_multiple=factor,
@@ -118,8 +119,8 @@ class Engine:
             devices=n,
             control=model.controlnet is not None,
             loras=self.loras.names,
-            max_deep_cache=MAX_DEEP_CACHE if FAMILIES[model.family].denoise_shallow is not None else 0,
-            max_token_merging=MAX_TOKEN_MERGING if FAMILIES[model.family].denoiser == "unet" else 0.0,
+            max_deep_cache=MAX_DEEP_CACHE if unet_levels else 0,
+            max_token_merging=MAX_TOKEN_MERGING if unet_levels else 0.0,
         )
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
