@@ -22,7 +22,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY requirements.txt .
+COPY requirements.txt constraints.txt ./
 RUN pip install -r requirements.txt
 COPY --chown=app:app . .
 ENV JAX_SD_KERNEL_DIR=/app/kernels

@@ -11,6 +11,8 @@ UNet and VAE draw from ours (max abs pixel difference < 1e-2 on 0..1).
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,9 +281,14 @@ def test_sd_conditioning_matches_transformers(sd1, name, clip_skip):
     assert tokenized.chunks > 1 or "(" in prompt
     ids, weights = stack([tokenized])
     got = jax.jit(encode_prompts, static_argnums=(4, 5))(models, ids, weights, {}, sd_plan(clip_skip=clip_skip), False)
-    want, _ = reference_context([reference.text_encoder], [SKIP_ONE if clip_skip else LAST], tokenized)
+    layer = SKIP_ONE if clip_skip else LAST
+    want, _ = reference_context([reference.text_encoder], [layer], tokenized)
+    exact, _ = reference_context([copy.deepcopy(reference.text_encoder).double()], [layer], tokenized)
     assert got.context.shape == (1, 77 * tokenized.chunks, 32) and got.text_embeds is None
-    assert rel_error(got.context[0], want) < TOL
+    # Emphasis divides by the chunk's mean, which can lie near zero ("break": f32 costs the reference itself 8e-5 of
+    # the exact answer there, 3e-7 elsewhere): ours is held to the exact (f64) answer, within TOL or within three
+    # times what f32 rounding costs the reference, whichever is larger.
+    assert rel_error(got.context[0], exact) < max(TOL, 3 * rel_error(want, exact))
 
 
 def test_emphasis_keeps_the_mean_and_weighs_tokens(sd1):

@@ -15,8 +15,9 @@ reordered into oneDNN's layout once, at their first call, instead of at every ca
 The handlers (`onednn.cc`: matmul, convolutions, pinning; `attention.cc`; `cpu_loops.cc`: our own vector loops;
 `onednn.h`: what they share) are compiled once per source, jaxlib and oneDNN with the host's C++ compiler into
 JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's oneDNN (Debian: `libdnnl-dev`;
-DNNL_ROOT names another install). Where there is no compiler or no oneDNN, or JAX_SD_ONEDNN=0, `available()`
-is False, says why once in the log, and the layers keep XLA's own dots and convolutions.
+DNNL_ROOT names another install). Where the CPU has no native bf16 (oneDNN 2.x refuses every bf16 primitive on
+AVX2), there is no compiler or no oneDNN, or JAX_SD_ONEDNN=0, `available()` is False, says why once in the log,
+and the layers keep XLA's own dots and convolutions (bf16 asked for on such a CPU runs in XLA, slowly but right).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loo
 MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 GROUP_NORM, GEGLU = "jax_sd_onednn_group_norm", "jax_sd_onednn_geglu"
 UPSAMPLE_CONV = "jax_sd_onednn_upsample_conv"
+
+
+NO_NATIVE_BF16 = (
+    "this CPU computes no bf16 natively (no AVX512-BF16 or AMX-BF16), and oneDNN 2.x makes no bf16 kernels for it"
+)
 
 
 def native_bf16() -> bool:
@@ -125,6 +131,9 @@ def library() -> ctypes.CDLL | None:
     """The handlers' library, built and loaded (once per process); None, said once in the log, where it cannot
     be or JAX_SD_ONEDNN=0. Registers nothing with XLA: safe to ask before JAX starts its backends."""
     if os.environ.get(SWITCH) == "0":
+        return None
+    if not native_bf16():
+        log.info("oneDNN kernels off: %s", NO_NATIVE_BF16)
         return None
     try:
         return ctypes.cdll.LoadLibrary(str(build()))
