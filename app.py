@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None) -> None:
         default=web.DEFAULT_MAX_BODY_MB,
         help="the REST APIs refuse request bodies over this many megabytes (413)",
     )
+    parser.add_argument(
+        "--max-picture-pixels",
+        type=int,
+        default=None,
+        help="a picture sent in (page, REST APIs, PNG info) over this many pixels is refused from its header, before "
+        "it is decoded (default: twice the largest side the model draws, squared)",
+    )
     parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
     parser.add_argument(
         "--no-safety-checker",
@@ -172,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--quantize (env JAX_SD_QUANTIZE) must be int8, not {args.quantize!r}")
     if args.max_body_mb <= 0:
         parser.error("--max-body-mb must be above 0")
+    if args.max_picture_pixels is not None and args.max_picture_pixels <= 0:
+        parser.error("--max-picture-pixels must be above 0")
     try:
         auth = read_auth(args.auth)
         api_keys = web.read_api_keys(args.api_key)
@@ -208,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         mcp=args.mcp,
         api_keys=api_keys,
         max_body_mb=args.max_body_mb,
+        max_picture_pixels=args.max_picture_pixels,
     )
     web.serve(web_app, server_name=args.host, server_port=args.port, share=args.share)
 

@@ -161,7 +161,10 @@ def test_img2img_and_inpainting_read_init_images_and_masks(fake):
         ({"init_images": ["data:image/png;base64,%%%not base64"]}, "init_images[0] is not valid base64"),
         ({"init_images": [base64.b64encode(b"plain text").decode()]}, "init_images[0] could not be read as a picture"),
         ({"init_images": [base64.b64encode(png_claiming(20000, 20000)).decode()]}, "init_images[0] is too large"),
-        ({"init_images": [base64.b64encode(png_claiming(5000, 64)).decode()]}, "is 5000x64 pixels; at most 4096"),
+        (
+            {"init_images": [base64.b64encode(png_claiming(5000, 1000)).decode()]},
+            "is 5000x1000 pixels; at most 4194304",
+        ),
         ({"mask": b64png(Image.new("L", (32, 32)))}, "mask_image is 32x32 but image is 64x64"),
         ({"init_images": []}, "img2img needs init_images"),
     ],

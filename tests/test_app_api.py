@@ -24,6 +24,7 @@ from engine.compat.pnginfo import GenerationParameters, png_info, save_png
 from engine.serving.warmup import Warmup
 from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
 from web import handlers, page, requests
+from web.pictures import ClientFiles
 
 # ---- fast: the page's logic over a stand-in engine ----------------------------------------
 
@@ -453,16 +454,15 @@ def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
     picture = tmp_path / "p.png"
     Image.new("RGB", (64, 64), "red").save(picture)
     form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 2, 0.5]
-    history, shown = handlers.remember([], [(str(picture), "cpu:0 · seed 7")], *form)
-    history, shown = handlers.remember(
-        history, [(str(picture), "cpu:0 · seed 8")], "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0, 0.0
-    )
+    kept = handlers.thumbnail(str(picture))  # the server's own result, never a picture the client names
+    history, shown = handlers.remember([], kept, *form)
+    history, shown = handlers.remember(history, kept, "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0, 0.0)
     assert [entry["prompt"] for entry in history] == ["a dog", "a cat"] and len(shown) == 2
     assert shown[1][0].size == (64, 64) and shown[1][1] == "seed 7"
     selected = gr.SelectData(None, {"index": 1, "value": None})
     assert page.restore(history, selected) == [*form, False]
     for _ in range(30):
-        history, _ = handlers.remember(history, [(str(picture), "")], *form)
+        history, _ = handlers.remember(history, kept, *form)
     assert len(history) == handlers.HISTORY_LENGTH
 
 
@@ -482,7 +482,9 @@ def test_a_dropped_picture_fills_the_form_with_its_recipe(tmp_path):
         token_merging=0.4,
     )
     save_png(Image.new("RGB", (88, 64)), picture, recipe)
-    *form, random_seed, note = page.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, note = page.read_png_info(
+        FakeEngine(), str(picture), ClientFiles(10**6, upload_folder=tmp_path)
+    )
     assert form[:6] == ["a cat, (masterpiece:1.2)", "blurry", 1234, 30, 6.5, "euler_a"]
     assert form[6] == "88x64" and random_seed is False and "seed 1234" in note
     form = dict(zip(handlers.FORM_FIELDS, form, strict=True))
@@ -500,14 +502,16 @@ def test_automatic1111s_own_text_fills_the_form_the_same_way(tmp_path):
     info.add_text("parameters", text)
     picture = tmp_path / "a1111.png"
     Image.new("RGB", (88, 64)).save(picture, pnginfo=info)
-    *form, random_seed, _ = page.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, _ = page.read_png_info(FakeEngine(), str(picture), ClientFiles(10**6, upload_folder=tmp_path))
     assert form[:7] == ["a photo of a cat", "ugly, blurry", 5, 20, 7.0, "euler_a", "88x64"]
 
 
 def test_a_picture_without_a_recipe_changes_nothing(tmp_path):
     picture = tmp_path / "plain.png"
     Image.new("RGB", (8, 8)).save(picture)
-    *form, random_seed, note = page.read_png_info(FakeEngine(), str(picture))
+    *form, random_seed, note = page.read_png_info(
+        FakeEngine(), str(picture), ClientFiles(10**6, upload_folder=tmp_path)
+    )
     assert "carries no generation parameters" in note
 
 
@@ -548,7 +552,7 @@ def test_control_picture_canny_and_lora_weights_reach_the_request(tmp_path):
     pipe = AdapterEngine()
     picture = Image.new("RGB", (40, 30), (200, 30, 30))
     picture.save(tmp_path / "control.png")
-    upload = {"path": str(tmp_path / "control.png"), "meta": {"_type": "gradio.FileData"}}
+    upload = Image.open(tmp_path / "control.png")  # as the page hands it on, once opened (tests/test_safety_paths.py)
     values = page_values(control_image=upload, canny_edges=True, controlnet_conditioning_scale=0.6)
     run(pipe, {**values, "lora_scales": {"style": 0.4}})
     request = pipe.calls[0]
@@ -618,5 +622,5 @@ def test_the_web_app_serves_the_page_at_its_root_with_the_queue_and_log_in_asked
     demo = site.state.demo
     (mount,) = [route for route in site.routes if getattr(route, "path", None) == ""]  # "/" mounts as ""
     assert mount.app.get_blocks() is demo
-    assert demo._queue.max_size == 3 and demo.auth == [("ann", "secret")] and demo.show_error
+    assert demo._queue.max_size == 3 and demo.auth == [("ann", "secret")] and not demo.show_error
     assert {fn.concurrency_limit for fn in demo.fns.values() if fn.api_name == page.API_NAME} == {5}

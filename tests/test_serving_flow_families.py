@@ -43,6 +43,7 @@ from engine.compat.pnginfo import png_info
 from engine.sampling.preview import DecodedPreview, PreviewMap
 from tests._api_server import b64png, decode_png, max_pixel_difference
 from web.handlers import FORM_FIELDS, read_png_info
+from web.pictures import ClientFiles
 
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"
 SIZE = 32  # pixels: 16x16 latents with the factor-2 test VAEs, 8x8 tokens of 2x2 patches
@@ -335,7 +336,8 @@ def test_a1111_euler_is_the_flow_models_own_euler(family, cfg, door, tmp_path):
     assert (params.seed, params.width, params.guidance_scale) == (5, SIZE, cfg)
     path = tmp_path / "dropped.png"
     path.write_bytes(base64.b64decode(answer.json()["images"][0]))
-    form = dict(zip(FORM_FIELDS, read_png_info(ours, str(path)), strict=False))  # the page's drop of that picture
+    dropped = read_png_info(ours, str(path), ClientFiles(SIZE * SIZE, upload_folder=tmp_path))  # the page's drop
+    form = dict(zip(FORM_FIELDS, dropped, strict=False))
     assert form["scheduler"] == "flow_euler" and form["seed"] == 5 and form["steps"] == 2
 
     refused = client.post("/sdapi/v1/txt2img", json={**body, "sampler_name": "DPM++ 2M"})

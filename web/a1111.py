@@ -42,6 +42,7 @@ from .a1111_models import (
 )
 from .api_common import ApiJob, ApiJobs, b64, caller_of, decode_base64, opaque, preview_png, read_picture, result_pngs
 from .api_gate import ApiError
+from .pictures import default_max_pixels
 from .requests import api_request
 
 
@@ -82,17 +83,16 @@ def _binary_mask(mask: Image.Image, invert: bool) -> Image.Image:
     return ImageOps.invert(mask) if invert else mask
 
 
-def _pictures(pipe: engine.EngineFace, body: Img2ImgRequest) -> dict[str, Any]:
+def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
     """The request's image (and mask) from img2img's base64 fields; sizes checked before pixels are read."""
     if not body.init_images:
         raise _refuse("img2img needs init_images: a list with one base64 picture")
     if len(body.init_images) > 1:
         raise _refuse("img2img draws from one init image per request here; send each picture in its own request")
-    side = pipe.limits.max_side
-    image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", side)
+    image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", max_pixels)
     fields: dict[str, Any] = {"image": opaque(image), "strength": body.denoising_strength}
     if body.mask:
-        mask = read_picture(decode_base64(body.mask, "mask"), "mask", side)
+        mask = read_picture(decode_base64(body.mask, "mask"), "mask", max_pixels)
         fields["mask_image"] = _binary_mask(mask, bool(body.inpainting_mask_invert))
     return fields
 
@@ -200,8 +200,10 @@ async def generate(pipe, jobs: ApiJobs, body: Txt2ImgRequest, request, http: Req
 # ---- the router -----------------------------------------------------------------------------------------
 
 
-def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs) -> APIRouter:
+def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None = None) -> APIRouter:
+    """The routes; `max_pixels`: a picture sent in over this many pixels is refused from its header."""
     router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
+    max_pixels = max_pixels or default_max_pixels(pipe.limits)
 
     @router.post("/txt2img", response_model=ImagesResponse)
     async def txt2img(body: Txt2ImgRequest, http: Request):
@@ -209,7 +211,7 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs) -> APIRouter:
 
     @router.post("/img2img", response_model=ImagesResponse)
     async def img2img(body: Img2ImgRequest, http: Request):
-        pictures = await asyncio.to_thread(_pictures, pipe, body)
+        pictures = await asyncio.to_thread(_pictures, body, max_pixels)
         return await generate(pipe, jobs, body, build_request(pipe, body, pictures), http)
 
     @router.get("/progress", response_model=ProgressResponse)

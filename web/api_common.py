@@ -24,9 +24,8 @@ from PIL import Image
 import engine
 from engine.compat.pnginfo import GenerationParameters, save_png
 
-# A picture sent in is resized to the request's size, which the engine caps at its max side; one up to this many
-# times that side is read (a phone photo), a larger one is refused from its header, before its pixels are decoded.
-PICTURE_SIDE_FACTOR = 4
+from .pictures import open_picture
+
 DISCONNECT_POLL_S = 0.5
 PLACEHOLDER_GREY = (128, 128, 128)  # a picture the safety checker withheld, as the page shows it
 
@@ -54,23 +53,10 @@ def decode_base64(text: object, what: str) -> bytes:
         raise _refuse(f"{what} is not valid base64") from None
 
 
-def read_picture(data: bytes, what: str, max_side: int) -> Image.Image:
-    """A picture from its file's bytes; its size is read from the header and checked before the pixels are."""
-    limit = PICTURE_SIDE_FACTOR * max_side
-    try:
-        image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise _refuse(f"{what} is too large to read ({e}); at most {limit}x{limit} pixels are read") from None
-    except (OSError, ValueError):
-        raise _refuse(f"{what} could not be read as a picture (send a PNG, JPEG or WebP file)") from None
-    width, height = image.size
-    if max(width, height) > limit:
-        raise _refuse(f"{what} is {width}x{height} pixels; at most {limit} pixels a side are read")
-    try:
-        image.load()
-    except (OSError, ValueError, SyntaxError):
-        raise _refuse(f"{what} is damaged: its pixels could not be read") from None
-    return image
+def read_picture(data: bytes, what: str, max_pixels: int) -> Image.Image:
+    """A picture from its file's bytes: a PNG, JPEG or WebP whose pixel count, read from its header, is at most
+    `max_pixels` (the server's `--max-picture-pixels`), checked before the pixels are decoded."""
+    return open_picture(data, what, max_pixels)
 
 
 def opaque(image: Image.Image) -> Image.Image:

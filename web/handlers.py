@@ -24,6 +24,7 @@ from PIL import Image
 import engine
 from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info, save_png
 
+from .pictures import ClientFiles, open_picture
 from .requests import as_bool, parse_request, size_choices
 
 log = logging.getLogger("jax-sd")
@@ -148,9 +149,11 @@ async def stream(
     ticket: engine.Ticket,
     random_seed: Any = False,
     progress: Progress | None = None,
+    files: ClientFiles | None = None,
 ) -> AsyncIterator[Update]:
     """The ticket's events as updates: queue position, previews, then the pictures with "device · seed"
-    captions (PNG files with their recipe). Raises the request's error if it fails (`engine.Cancelled`: stopped)."""
+    captions (PNG files with their recipe, noted in `files` as written here, so that a client may hand them
+    back). Raises the request's error if it fails (`engine.Cancelled`: stopped)."""
     step = "starting"
     async for event in ticket.aevents():
         if isinstance(event, engine.Queued):
@@ -166,24 +169,28 @@ async def stream(
         elif isinstance(event, engine.Finished):
             result = event.result
             flagged = result.nsfw_content_detected or [False] * len(result.images)
-            gallery = [
-                (_placeholder(image.size), f"filtered by the safety checker · seed {seed}")
-                if withheld
-                else (with_parameters(image, result.request, seed, pipe.model_name), f"{device} · seed {seed}")
-                for image, device, seed, withheld in zip(
-                    result.images, result.devices, result.seeds, flagged, strict=True
-                )
-            ]
+            gallery = []
+            for image, device, seed, withheld in zip(result.images, result.devices, result.seeds, flagged, strict=True):
+                if withheld:
+                    gallery.append((_placeholder(image.size), f"filtered by the safety checker · seed {seed}"))
+                    continue
+                path = with_parameters(image, result.request, seed, pipe.model_name)
+                if files is not None:
+                    files.wrote(path)
+                gallery.append((path, f"{device} · seed {seed}"))
             yield gallery, request.seed, describe(result, as_bool(random_seed))
 
 
 # ---- a dropped picture's recipe ---------------------------------------------------------------
 
 
-def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
+def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> list:
     """A dropped picture's recipe: the form's values (FORM_FIELDS), then random_seed, then a note.
-    None leaves a field as it is."""
-    params = png_info(image) if image is not None else None
+    `image`: the uploaded file (Gradio's file data or its path), opened only as `files` allows.
+    None leaves a field as it is. Raises `engine.InvalidRequest` for a file it may not or cannot read."""
+    if isinstance(image, dict) and not image.get("path"):
+        image = None
+    params = png_info(files.picture(image, "The dropped picture")) if image is not None else None
     if params is None:
         note = "That picture carries no generation parameters." if image is not None else None
         return [None] * (len(FORM_FIELDS) + 1) + [note]
@@ -217,30 +224,58 @@ def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
 # ---- history (kept in the browser) ------------------------------------------------------------
 
 
-def _thumbnail(path: str) -> str:
-    with Image.open(path) as image:
+def thumbnail(picture: Image.Image | str) -> str:
+    """A small PNG of one of this server's own results (a PIL picture, or a file the server wrote), as base64."""
+    with Image.open(picture) if isinstance(picture, str) else picture.copy() as image:
         image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
         buffer = io.BytesIO()
         image.convert("RGB").save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _shown(entry: Any) -> Image.Image:
+    # A thumbnail from the browser's storage, which a client may have written: a small PNG or a grey square.
+    try:
+        data = base64.b64decode(entry["thumbnail"], validate=True)
+        return open_picture(data, "A history thumbnail", THUMBNAIL_SIDE * THUMBNAIL_SIDE)
+    except (TypeError, KeyError, ValueError, engine.InvalidRequest):
+        return _placeholder((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+
+
 def show_history(history: list[dict] | None) -> list:
     """The history's thumbnails, captioned with their seeds."""
-    items = []
-    for entry in history or []:
-        image = Image.open(io.BytesIO(base64.b64decode(entry["thumbnail"])))
-        items.append((image, f"seed {entry['seed']}"))
-    return items
+    entries = history if isinstance(history, list) else []
+    return [(_shown(entry), f"seed {entry.get('seed') if isinstance(entry, dict) else '?'}") for entry in entries]
 
 
-def remember(history: list[dict] | None, gallery: list | None, *form) -> tuple[list[dict], list]:
-    """Puts the finished generation first in the browser's history: its settings and a thumbnail."""
-    if not gallery:
-        return history or [], show_history(history)
-    first = gallery[0][0] if isinstance(gallery[0], list | tuple) else gallery[0]
-    entry = dict(zip(FORM_FIELDS, form, strict=True), thumbnail=_thumbnail(first))
-    history = [entry, *(history or [])][:HISTORY_LENGTH]
+class LastResults:
+    """The thumbnail of each browser tab's last finished generation, kept by the server: a history entry is
+    made from it, never from a picture the client names."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._thumbnails: dict[str, str] = {}
+
+    def keep(self, session: str | None, picture: Image.Image | str) -> None:
+        if not session:
+            return
+        self._thumbnails.pop(session, None)
+        self._thumbnails[session] = thumbnail(picture)
+        while len(self._thumbnails) > self.capacity:  # one entry per browser tab; the oldest go first
+            self._thumbnails.pop(next(iter(self._thumbnails)))
+
+    def take(self, session: str | None) -> str | None:
+        return self._thumbnails.pop(session, None) if session else None
+
+
+def remember(history: list[dict] | None, picture: str | None, *form) -> tuple[list[dict], list]:
+    """Puts the finished generation first in the browser's history: its settings and `picture`, the thumbnail
+    the server kept of it (`LastResults`); without one the history stays as it is."""
+    history = history if isinstance(history, list) else []
+    if not picture:
+        return history, show_history(history)
+    entry = dict(zip(FORM_FIELDS, form, strict=True), thumbnail=picture)
+    history = [entry, *history][:HISTORY_LENGTH]
     return history, show_history(history)
 
 

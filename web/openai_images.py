@@ -33,6 +33,7 @@ import engine
 from . import names
 from .api_common import ApiJobs, b64, opaque, read_picture, result_pngs
 from .api_gate import ApiError
+from .pictures import default_max_pixels
 from .requests import api_request
 
 LINK_TTL_S = 600.0
@@ -92,12 +93,11 @@ class PictureLinks:
         return entry[1] if entry else None
 
 
-def _edit_pictures(pipe: engine.EngineFace, image: bytes, mask: bytes | None) -> dict[str, Any]:
-    side = pipe.limits.max_side
-    picture = read_picture(image, "image", side)
+def _edit_pictures(image: bytes, mask: bytes | None, max_pixels: int) -> dict[str, Any]:
+    picture = read_picture(image, "image", max_pixels)
     fields: dict[str, Any] = {"image": opaque(picture)}
     if mask is not None:
-        drawn = read_picture(mask, "mask", side)
+        drawn = read_picture(mask, "mask", max_pixels)
         if "A" not in drawn.getbands() and "transparency" not in drawn.info:
             raise engine.InvalidRequest(
                 "mask must be a PNG with an alpha channel: its transparent pixels mark what to redraw"
@@ -177,9 +177,13 @@ async def _read_edit_form(http: Request) -> tuple[EditsBody, bytes, bytes | None
         await form.close()
 
 
-def openai_router(pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks | None = None) -> APIRouter:
+def openai_router(
+    pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks | None = None, max_pixels: int | None = None
+) -> APIRouter:
+    """The routes; `max_pixels`: a picture sent in over this many pixels is refused from its header."""
     router = APIRouter(prefix="/v1", tags=["OpenAI Images"])
     links = links or PictureLinks()
+    max_pixels = max_pixels or default_max_pixels(pipe.limits)
 
     @router.post("/images/generations")
     async def generations(body: GenerationsBody, http: Request):
@@ -188,7 +192,7 @@ def openai_router(pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks | 
     @router.post("/images/edits")
     async def edits(http: Request):
         body, image, mask = await _read_edit_form(http)
-        pictures = await asyncio.to_thread(_edit_pictures, pipe, image, mask)
+        pictures = await asyncio.to_thread(_edit_pictures, image, mask, max_pixels)
         pictures["strength"] = body.strength
         return await draw(pipe, jobs, links, http, body, pictures)
 

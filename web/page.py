@@ -17,6 +17,7 @@ import gradio as gr
 import engine
 
 from . import handlers
+from .pictures import ClientFiles, default_max_pixels
 from .requests import default_strength, mode_choices, picture_fields, size_choices
 
 log = logging.getLogger("jax-sd")
@@ -57,9 +58,11 @@ def _skip(value: Any) -> Any:
     return gr.skip() if value is None else value
 
 
-async def run_generation(pipe: engine.EngineFace, raw: dict[str, Any], progress: Any) -> AsyncIterator[tuple]:
-    """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures.
-    Every refusal or failure is a `gr.Error` with the message the user sees."""
+async def run_generation(
+    pipe: engine.EngineFace, raw: dict[str, Any], progress: Any, files: ClientFiles | None = None
+) -> AsyncIterator[tuple]:
+    """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures
+    (the files written are noted in `files`). Every refusal or failure is a `gr.Error` with the message the user sees."""
     try:
         request, ticket = handlers.submit(pipe, raw)
     except engine.InvalidRequest as e:  # a value the page or the engine refuses
@@ -67,7 +70,7 @@ async def run_generation(pipe: engine.EngineFace, raw: dict[str, Any], progress:
     except engine.Busy as e:
         raise refuse(f"{e}.") from None
     try:
-        async for gallery, seed, details in handlers.stream(pipe, request, ticket, raw["random_seed"], progress):
+        async for gallery, seed, details in handlers.stream(pipe, request, ticket, raw["random_seed"], progress, files):
             yield _skip(gallery), seed, details
     except engine.Cancelled:
         raise refuse("Stopped.") from None
@@ -81,9 +84,12 @@ def restore(history: list[dict], selected: gr.SelectData) -> list:
     return handlers.restore(history, selected.index)
 
 
-def read_png_info(pipe: engine.EngineFace, image: str | None) -> list:
+def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> list:
     """A dropped picture's recipe into the form; fields it does not carry stay as they are."""
-    return [_skip(value) for value in handlers.read_png_info(pipe, image)]
+    try:
+        return [_skip(value) for value in handlers.read_png_info(pipe, image, files)]
+    except engine.InvalidRequest as e:
+        raise refuse(str(e)) from None
 
 
 # ---- the picture inputs, ControlNet and LoRAs --------------------------------------------------
@@ -116,16 +122,7 @@ def picture_controls(pipe: engine.EngineFace) -> tuple[gr.Radio, gr.ImageEditor,
     return mode, picture, mask, strength
 
 
-def _value(component: Any, raw: Any) -> Any:
-    """A raw (not preprocessed) API value of an image component, as the component's own preprocess gives it."""
-    if raw is None or component is None:
-        return None
-    if isinstance(raw, dict):
-        raw = component.data_model.model_validate(raw)
-    return component.preprocess(raw)
-
-
-def adapter_controls(pipe: engine.EngineFace) -> list:
+def adapter_controls(pipe: engine.EngineFace, files: ClientFiles) -> list:
     """The ControlNet's and the LoRAs' controls (hidden when the server loaded none); returns the inputs
     of `requests.ADAPTER_INPUTS`, in order. LoRA sliders write their weights into one value, the API's
     `lora_scales`."""
@@ -146,14 +143,15 @@ def adapter_controls(pipe: engine.EngineFace) -> list:
         scale = gr.Slider(
             *limits.control_scale_range, value=1.0, step=0.05, label="Conditioning scale", elem_id="control-scale"
         )
+
+    def preview(raw, canny_edges):
+        try:  # preprocess=False: the picture is opened here, only as `files` allows, never by Gradio
+            return handlers.control_preview(pipe, files.picture(raw, "The control picture"), bool(canny_edges))
+        except engine.InvalidRequest as e:
+            raise refuse(str(e)) from None
+
     for event in (picture.change, canny.change):
-        event(
-            lambda p, c: handlers.control_preview(pipe, p, c),
-            [picture, canny],
-            [shown],
-            api_visibility="private",
-            queue=False,
-        )
+        event(preview, [picture, canny], [shown], api_visibility="private", queue=False, preprocess=False)
     weights = gr.JSON(dict.fromkeys(loras, 1.0), visible=False, elem_id="lora-scales")
     with gr.Accordion("LoRAs loaded by the server", open=True, visible=bool(loras)):
         sliders = [
@@ -169,13 +167,21 @@ def adapter_controls(pipe: engine.EngineFace) -> list:
 # ---- the page ----------------------------------------------------------------------------
 
 
-def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency: int | None = None) -> gr.Blocks:
-    """The page. `concurrency`: requests handed to the engine at once (default: twice its slots)."""
+def create_demo(
+    pipe: engine.EngineFace,
+    images_per_device: int = 1,
+    concurrency: int | None = None,
+    files: ClientFiles | None = None,
+) -> gr.Blocks:
+    """The page. `concurrency`: requests handed to the engine at once (default: twice its slots); `files`: the
+    paths a client may name and the pixel limit of its pictures (default: Gradio's upload folder, and
+    `pictures.default_max_pixels`)."""
     defaults, limits = pipe.defaults, pipe.limits
+    files = files or ClientFiles(default_max_pixels(limits))
+    results = handlers.LastResults()  # each tab's last pictures, which its history entry is made from
     sizes = size_choices(pipe)
     default_size = f"{defaults['width']}x{defaults['height']}"
     concurrency = concurrency or 2 * pipe.batch_size
-    widgets: dict[str, Any] = {}  # the picture inputs, which `generate` preprocesses itself
 
     async def generate(
         prompt,
@@ -197,6 +203,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         strength=None,
         deep_cache=0,
         token_merging=0.0,
+        request: gr.Request = None,
         progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
     ):
         """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
@@ -227,10 +234,11 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         Returns:
             the pictures with "device · seed" captions, the seed used, and a line of details.
         """
-        try:
+        try:  # preprocess=False: a client's pictures are opened here, only as `files` allows
             pictures = picture_fields(
-                mode, _value(widgets.get("picture"), picture), _value(widgets.get("mask"), mask), strength
+                mode, files.editor(picture, "The picture"), files.picture(mask, "The mask"), strength
             )
+            control_image = files.picture(control_image, "The control picture")
         except engine.InvalidRequest as e:
             raise refuse(str(e)) from None
         raw = {
@@ -251,8 +259,29 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
             "deep_cache": deep_cache,
             "token_merging": token_merging,
         }
-        async for update in run_generation(pipe, raw, progress):
+        last = None
+        async for update in run_generation(pipe, raw, progress, files):
+            last = update
             yield update
+        if last is not None and isinstance(last[0], list) and last[0]:  # the finished pictures: the last update
+            results.keep(getattr(request, "session_hash", None), last[0][0][0])
+
+    def remember(
+        history,
+        text,
+        negative,
+        seed_value,
+        steps_value,
+        guidance,
+        kind,
+        size_value,
+        per,
+        deep,
+        merging,
+        request: gr.Request,
+    ):
+        form = (text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, merging)
+        return handlers.remember(history, results.take(request.session_hash), *form)
 
     def refresh_status():
         return handlers.status_line(pipe), gr.Timer(active=not pipe.ready)
@@ -278,7 +307,6 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
                     *limits.guidance_range, value=defaults["guidance_scale"], step=0.5, label="Guidance scale"
                 )
                 mode, picture, mask, strength = picture_controls(pipe)
-                widgets.update(picture=picture, mask=mask)
                 with gr.Accordion("Advanced", open=False):
                     scheduler = gr.Dropdown(list(limits.schedulers), value=defaults["scheduler"], label="Scheduler")
                     if sizes is None:  # any size in range: typed as WIDTHxHEIGHT
@@ -311,7 +339,7 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
                         label="Token merging ratio: the share of the first level's tokens merged (0: off)",
                         visible=limits.max_token_merging > 0,
                     )
-                adapters = adapter_controls(pipe)
+                adapters = adapter_controls(pipe, files)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
                     dropped = gr.File(file_types=[".png"], type="filepath", show_label=False, elem_id="pnginfo")
@@ -373,8 +401,8 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         form += [deep_cache, token_merging]
         for done in (clicked, submitted):
             done.success(
-                handlers.remember,
-                [history, gallery, *form],
+                remember,
+                [history, *form],
                 [history, history_gallery],
                 api_visibility="private",
                 queue=False,
@@ -384,11 +412,12 @@ def create_demo(pipe: engine.EngineFace, images_per_device: int = 1, concurrency
         )
         history_gallery.select(restore, [history], [*form, random_seed], api_visibility="private", queue=False)
         dropped.upload(
-            lambda image: read_png_info(pipe, image),
+            lambda image: read_png_info(pipe, image, files),
             [dropped],
             [*form, random_seed, info],
             api_visibility="private",
             queue=False,
+            preprocess=False,  # the file is opened in read_png_info, only as `files` allows
         )
 
         # Live mode: every keystroke notes the latest text at once; the drawing waits for a pause and

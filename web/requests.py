@@ -121,18 +121,11 @@ def picture_fields(mode: Any, picture: Any, mask: Any, strength: Any) -> dict[st
 
 
 def as_picture(value: Any) -> Image.Image | None:
-    """An uploaded picture as a handler receives it (Gradio's file data, unprocessed: a dict with a local
-    `path`), or a PIL picture."""
+    """The control picture, already opened by the door that received it (the page opens a client's upload
+    through `pictures.ClientFiles`); a path or anything else is refused here, never opened."""
     if value is None or isinstance(value, Image.Image):
         return value
-    path = value.get("path") if isinstance(value, dict) else None
-    if not path:
-        raise _refuse("The control picture must be an uploaded image.")
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except OSError:
-        raise _refuse("The control picture could not be read as an image.") from None
+    raise _refuse("The control picture must be an uploaded image.")
 
 
 def adapter_fields(

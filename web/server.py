@@ -22,6 +22,7 @@ from .api_common import ApiJobs
 from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_handlers
 from .openai_images import openai_router
 from .page import THEME, create_demo
+from .pictures import ClientFiles, default_max_pixels
 
 log = logging.getLogger("jax-sd")
 
@@ -49,6 +50,7 @@ def build_app(
     blocked_paths: list[str] | None = None,
     api_keys: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    max_picture_pixels: int | None = None,
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -61,9 +63,14 @@ def build_app(
     Beside the page, on the same port: AUTOMATIC1111's API at /sdapi/v1/ (a1111.py) and OpenAI's Images API at
     /v1/images/ (openai_images.py). `auth` and `api_keys` close them (api_gate.py: HTTP Basic as an `auth`
     user, or Bearer with an API key); `api_keys` alone closes only them, not the page. `max_body_mb`: their
-    request bodies are refused (413) beyond it."""
+    request bodies are refused (413) beyond it, and so are the page's uploads. `max_picture_pixels`: a picture
+    sent in (page, APIs, PNG-info drop) over this many pixels is refused from its header, before it is decoded
+    (default: `pictures.default_max_pixels`). A path a client names is opened only when it lies in Gradio's
+    upload folder or is a picture this server wrote (pictures.py)."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
-    demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency)
+    max_pixels = max_picture_pixels or default_max_pixels(engine.limits)
+    files = ClientFiles(max_pixels)
+    demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency, files=files)
     demo.queue(max_size=queue_size)
     app.state.demo = demo
 
@@ -71,28 +78,34 @@ def build_app(
     # every path that no route before it took.
     jobs = ApiJobs()  # the APIs' running requests, for A1111's /progress and /interrupt
     app.state.api_jobs = jobs
-    app.include_router(a1111_router(engine, jobs))
-    app.include_router(openai_router(engine, jobs))
+    app.include_router(a1111_router(engine, jobs, max_pixels=max_pixels))
+    app.include_router(openai_router(engine, jobs, max_pixels=max_pixels))
     install_error_handlers(app)
     access = ApiAccess(users=tuple(auth or ()), keys=tuple(api_keys or ()))
     app.add_middleware(ApiGate, access=access, max_body_bytes=int(max_body_mb * 2**20))
 
-    return gr.mount_gradio_app(
+    app = gr.mount_gradio_app(
         app,
         demo,
         path="/",
         theme=THEME,
-        show_error=True,
+        show_error=False,  # a refusal is a gr.Error with its own message; any other error's text stays in the log
         auth=auth,
         auth_message=AUTH_MESSAGE,
         mcp_server=mcp,
         allowed_paths=_paths(allowed_paths, "GRADIO_ALLOWED_PATHS"),
         blocked_paths=_paths(blocked_paths, "GRADIO_BLOCKED_PATHS"),
+        max_file_size=int(max_body_mb * 2**20),  # the page's uploads, as the APIs' bodies
         pwa=get_space() is not None,  # as Gradio's launch: installable on a Space
         # Rendered in the browser, as locally: Gradio's server-side rendering (GRADIO_SSR_MODE, which a Space may
         # set) puts a Node server in front of the app, and a mounted app has no such front.
         ssr_mode=False,
     )
+    # Gradio checks that a file a client names was uploaded (else it would copy any file in the temp folder or the
+    # working directory into its cache, and serve it) only once the Blocks "has launched", which launch() says
+    # and a mounted app never does.
+    demo.has_launched = True
+    return app
 
 
 def serve(app: FastAPI, *, server_name: str = "127.0.0.1", server_port: int = 7860, share: bool = False) -> None:

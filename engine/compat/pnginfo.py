@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from ..request import GenerationRequest
 
 CHUNK_KEY = "parameters"
+FORMATS = ("PNG", "JPEG", "WEBP")  # the formats a picture's recipe is read from; no other decoder runs
+MAX_PIXELS = 4096 * 4096  # a file larger than this is not read (a server passes its own limit)
 
 # Our scheduler kinds and the sampler names A1111 gives them (PNDM without Runge-Kutta warm-up is PLMS).
 SAMPLER_NAMES = {
@@ -309,12 +311,22 @@ def save_png(image: Image.Image, target: str | PathLike | IO[bytes], params: Gen
     image.save(target, format="PNG", pnginfo=info)
 
 
-def png_info(source: Image.Image | bytes | str | PathLike | IO[bytes]) -> GenerationParameters | None:
-    """The parameters a picture carries (a PIL image, PNG bytes, a path or a file), or None when it has none."""
+def png_info(
+    source: Image.Image | bytes | str | PathLike | IO[bytes], max_pixels: int = MAX_PIXELS
+) -> GenerationParameters | None:
+    """The parameters a picture carries (a PIL image, PNG bytes, a path or a file), or None when it has none.
+    A file is opened only as a PNG, JPEG or WebP of at most `max_pixels` pixels (from its header, before its pixels
+    are read); else ValueError."""
     if isinstance(source, Image.Image):
         text = source.info.get(CHUNK_KEY)
     else:
-        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as image:
+        with Image.open(
+            io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source, formats=FORMATS
+        ) as image:
+            if image.size[0] * image.size[1] > max_pixels:
+                raise ValueError(
+                    f"the picture is {image.size[0]}x{image.size[1]}; at most {max_pixels} pixels are read"
+                )
             image.load()  # text chunks written after the pixels are read only with them
             text = image.info.get(CHUNK_KEY)
     if not isinstance(text, str) or not text.strip():
