@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
@@ -38,7 +39,9 @@ def open_picture(source: bytes | str | os.PathLike | IO[bytes], what: str, max_p
     """A decoded picture, once its header says it is a PNG, JPEG or WebP of at most `max_pixels` pixels.
     Raises `engine.InvalidRequest` with a message for the user; nothing is decoded before the checks."""
     try:
-        image = Image.open(io.BytesIO(source) if isinstance(source, bytes | bytearray) else source, formats=FORMATS)
+        with warnings.catch_warnings():  # Pillow's own bomb warning: the limit below is the one that holds here
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes | bytearray) else source, formats=FORMATS)
     except Image.DecompressionBombError:
         raise _refuse(f"{what} is too large to read; at most {max_pixels} pixels are read") from None
     except (OSError, ValueError, SyntaxError):
