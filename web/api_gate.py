@@ -1,7 +1,7 @@
 """The REST APIs' gate: who may call them, how big a body may be, and how each API says no.
 
 `ApiGate` is an ASGI middleware in front of the app. For a path of one of the APIs (A1111's `/sdapi/`,
-OpenAI's `/v1/`) it checks the caller's credentials before anything is read, refuses a body whose
+OpenAI's `/v1/`, and Gradio's MCP server under `/gradio_api/mcp/`, which Gradio's login does not cover) it checks the caller's credentials before anything is read, refuses a body whose
 Content-Length is over the limit at once (413) and counts the bytes of one that does not say (chunked), so
 that an oversized body is never held in memory; other paths (the page) pass untouched.
 
@@ -35,6 +35,7 @@ import engine
 A1111_PREFIX = "/sdapi/"
 OPENAI_PREFIX = "/v1/"
 FILES_PREFIX = "/v1/images/files/"
+MCP_PREFIX = "/gradio_api/mcp"  # Gradio's MCP server: /schema, /sse, /messages/ and the streamable HTTP route
 DEFAULT_MAX_BODY_MB = 20.0
 
 
@@ -45,6 +46,11 @@ def door_of(path: str) -> str | None:
     if path.startswith(OPENAI_PREFIX):
         return "openai"
     return None
+
+
+def _guarded(path: str) -> str | None:
+    """The door the gate keeps for a path: an API's, "mcp", or None (the page, whose login is Gradio's)."""
+    return door_of(path) or ("mcp" if path == MCP_PREFIX or path.startswith(MCP_PREFIX + "/") else None)
 
 
 # ---- errors, in each API's own shape ------------------------------------------------------------
@@ -213,13 +219,20 @@ class ApiGate:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or door_of(path) is None:
+        door = _guarded(path)
+        if scope["type"] != "http" or door is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.access.closed and not path.startswith(FILES_PREFIX):
             caller = self.access.identify(headers.get("authorization", ""))
+            if caller is None and door == "mcp":
+                response = JSONResponse(
+                    status_code=401,
+                    content={"error": "send HTTP Basic with an --auth user, or Authorization: Bearer KEY"},
+                    headers={"WWW-Authenticate": 'Basic realm="jax-sd", Bearer'},
+                )
+                return await response(scope, receive, send)
             if caller is None:
-                door = door_of(path)
                 message = (
                     "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key"
                     if door == "openai"
