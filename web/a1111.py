@@ -41,7 +41,7 @@ from .a1111_models import (
     Txt2ImgRequest,
 )
 from .api_common import ApiJob, ApiJobs, b64, caller_of, decode_base64, opaque, preview_png, read_picture, result_pngs
-from .api_gate import ApiError
+from .api_gate import internal_error
 from .pictures import default_max_pixels
 from .requests import api_request
 
@@ -189,7 +189,7 @@ async def generate(pipe, jobs: ApiJobs, body: Txt2ImgRequest, request, http: Req
     if isinstance(job.error, engine.InvalidRequest):
         raise job.error
     if job.error is not None:
-        raise ApiError(500, f"the pictures could not be drawn: {job.error}", code=type(job.error).__name__)
+        raise internal_error(job.error, "A1111 API")
     pngs = await asyncio.to_thread(result_pngs, job.result, pipe.model_name)
     r = job.result.request or job.request
     details = info(pipe, body, r, [seed for _, seed, _ in pngs], [withheld for _, _, withheld in pngs])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engine
+
+log = logging.getLogger("jax-sd")
 
 A1111_PREFIX = "/sdapi/"
 OPENAI_PREFIX = "/v1/"
@@ -63,6 +66,19 @@ class ApiError(HTTPException):
         super().__init__(status_code=status, detail=message, headers=headers)
         self.code = code
         self.param = param
+
+
+def incident(error: BaseException, where: str) -> str:
+    """Logs a failure with its details under a new id, and says what the caller is told: "internal error" and
+    the id, never the error's own text (it may name paths or the server's insides)."""
+    ident = secrets.token_hex(6)
+    log.error("internal error %s (%s): %s: %s", ident, where, type(error).__name__, error, exc_info=error)
+    return f"internal error {ident}"
+
+
+def internal_error(error: BaseException, where: str) -> ApiError:
+    """A 500 whose message is `incident`'s."""
+    return ApiError(500, incident(error, where), code="internal_error")
 
 
 OPENAI_TYPES = {401: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -130,6 +146,12 @@ def install_error_handlers(app) -> None:
         code = "server_busy" if door_of(request.url.path) == "openai" else "Busy"
         return error_response(request.url.path, 503, str(error), code=code, headers={"Retry-After": "2"})
 
+    async def on_crash(request: Request, error: Exception):
+        if door_of(request.url.path) is None:
+            raise error  # the page's: Gradio's and Starlette's own
+        return error_response(request.url.path, 500, incident(error, request.url.path), code="internal_error")
+
+    app.add_exception_handler(Exception, on_crash)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_invalid)
     app.add_exception_handler(engine.InvalidRequest, on_invalid_request)

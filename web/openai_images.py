@@ -32,7 +32,7 @@ import engine
 
 from . import names
 from .api_common import ApiJobs, b64, opaque, read_picture, result_pngs
-from .api_gate import ApiError
+from .api_gate import ApiError, internal_error
 from .pictures import default_max_pixels
 from .requests import api_request
 
@@ -142,7 +142,7 @@ async def draw(
     if isinstance(job.error, engine.InvalidRequest):
         raise job.error
     if job.error is not None:
-        raise ApiError(500, f"the pictures could not be drawn: {job.error}", code=type(job.error).__name__)
+        raise internal_error(job.error, "OpenAI API")
     pngs = await asyncio.to_thread(result_pngs, job.result, pipe.model_name)
     kept = [png for png, _, withheld in pngs if not withheld]
     if not kept:

@@ -17,6 +17,7 @@ import gradio as gr
 import engine
 
 from . import handlers
+from .api_gate import incident
 from .pictures import ClientFiles, default_max_pixels
 from .requests import default_strength, mode_choices, picture_fields, size_choices
 
@@ -74,9 +75,8 @@ async def run_generation(
             yield _skip(gallery), seed, details
     except engine.Cancelled:
         raise refuse("Stopped.") from None
-    except Exception as error:  # the request failed in the engine; the server serves on
-        log.error("generation failed: %s", error)
-        raise refuse(f"Generation failed: {error}") from None
+    except Exception as error:  # the request failed in the engine; the server serves on, the log has the details
+        raise refuse(f"Generation failed: {incident(error, 'page')}.") from None
 
 
 def restore(history: list[dict], selected: gr.SelectData) -> list:

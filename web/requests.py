@@ -26,21 +26,34 @@ def _refuse(message: str) -> engine.InvalidRequest:
     return engine.InvalidRequest(message)
 
 
+def _shown(value: Any) -> str:
+    # A value in a message, cut short: a 400-digit number is not echoed whole (nor converted: Python caps that).
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return "a number of more than 30 digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def as_int(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) >= 2**63:
+            raise _refuse(f"{what} is out of range: {_shown(value)}.")
+        return value
     try:
         number = float(str(value).strip()) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
-        raise _refuse(f"{what} must be a whole number, not {value!r}.") from None
-    if not math.isfinite(number) or number != int(number):
-        raise _refuse(f"{what} must be a whole number, not {value!r}.")
+    except (TypeError, ValueError, OverflowError):
+        raise _refuse(f"{what} must be a whole number, not {_shown(value)}.") from None
+    if not math.isfinite(number) or number != int(number) or abs(number) >= 2**63:
+        raise _refuse(f"{what} must be a whole number in range, not {_shown(value)}.")
     return int(number)
 
 
 def as_float(value: Any, what: str) -> float:
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise _refuse(f"{what} must be a number, not {value!r}.") from None
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise _refuse(f"{what} must be a number, not {_shown(value)}.") from None
+    return number
 
 
 def as_text(value: Any, what: str) -> str | None:
