@@ -16,36 +16,16 @@ import argparse
 import logging
 import os
 import time
-from pathlib import Path
 
 # transformers (the tokenizers) advises installing PyTorch on import; the app does not need it.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import engine  # noqa: E402
 import web  # noqa: E402
-from web import API_NAME, THEME, create_demo  # noqa: E402, F401 - the page's names, importable from here too
+from web import API_NAME, THEME, create_demo, read_auth  # noqa: E402, F401 - the page's names, importable from here too
 
 log = logging.getLogger("jax-sd")
 
 MAX_IMAGES_PER_DEVICE = engine.Limits.max_images_per_device
-
-
-def read_auth(value: str | None) -> list[tuple[str, str]] | None:
-    """`--auth`: "user:password", several comma-separated, or a file with one pair per line."""
-    if not value:
-        return None
-    text = Path(value).read_text() if Path(value).is_file() else value
-    pairs = []
-    for item in text.replace(",", "\n").splitlines():
-        item = item.strip()
-        if not item or item.startswith("#"):
-            continue
-        user, sep, password = item.partition(":")
-        if not sep or not user or not password:
-            raise ValueError(f"--auth: {item!r} is not user:password")
-        pairs.append((user, password))
-    if not pairs:
-        raise ValueError("--auth: no user:password pair given")
-    return pairs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,17 +35,19 @@ class Page:
         self.engine = RemoteEngine(engines, description, model=self.settings.model, retries=self.settings.retries)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        import web  # the web layer (web/ at the repository root); imported here, where it is served
-
-        s = self.settings
-        return web.build_app(
-            self.engine, images_per_device=s.images_per_device, concurrency=s.concurrency, queue_size=s.queue_size
-        )
+        return page_app(self.engine, self.settings)
 
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+
+
+def page_app(engine, settings: ClusterSettings) -> FastAPI:
+    """The page's app over `engine`: `python app.py`'s, with the settings' queue and doors."""
+    import web  # the web layer (web/ at the repository root); imported here, where it is served
+
+    return web.build_app(engine, **settings.web_options())
 
 
 def application(

@@ -1,13 +1,16 @@
-"""The cluster's one settings record: what the replicas load and how the page in front of them queues.
+"""The cluster's one settings record: what the replicas load, and how the page in front of them queues and whom
+it serves.
 
 The Serve config's `args` (serve_config.yaml) fill it; where replicas run and how many there are is Ray
-Serve's own part of that config (`deployments:`), not ours.
+Serve's own part of that config (`deployments:`), not ours. The page's doors (`auth`, `api_keys`,
+`max_body_mb`, `max_picture_pixels`, `mcp`) mean what app.py's flags of those names mean, and reach the same
+`web.build_app` (`web_options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import DEFAULT_MAX_BATCH_SIZE
 
@@ -28,6 +31,23 @@ class ClusterSettings:
     t5: str = "device"  # where SD3's and FLUX.1's T5 runs: device, host or off, as app.py's --t5
     quantize: str | None = None  # "int8": the denoiser's kernels as int8, as app.py's --quantize
     loras: tuple[tuple[str, str], ...] = ()  # (name, path or Hub id) pairs, as app.py's --lora NAME=PATH
+    # Who may call, as app.py's --auth and --api-key: (user, password) pairs for the page, its APIs and MCP; keys
+    # for the REST APIs and MCP. Kept out of the repr, which Serve may log.
+    auth: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_body_mb: float = 20.0  # the APIs' bodies and the page's uploads at most, as --max-body-mb (web's default)
+    max_picture_pixels: int | None = None  # a picture sent in over this is refused from its header; None: web's
+    mcp: bool = False  # also serve /generate as an MCP tool, as --mcp (behind auth and api_keys like the APIs)
+
+    def __post_init__(self):
+        number = int | float
+        if not isinstance(self.max_body_mb, number) or isinstance(self.max_body_mb, bool) or self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb must be a number above 0, not {self.max_body_mb!r}")
+        pixels = self.max_picture_pixels
+        if pixels is not None and (not isinstance(pixels, int) or isinstance(pixels, bool) or pixels <= 0):
+            raise ValueError(f"max_picture_pixels must be a whole number above 0, or null, not {pixels!r}")
+        if not isinstance(self.mcp, bool):
+            raise ValueError(f"mcp must be true or false, not {self.mcp!r}")
 
     @classmethod
     def from_args(cls, args: dict | None) -> ClusterSettings:
@@ -47,7 +67,53 @@ class ClusterSettings:
             args["loras"] = tuple((str(k), str(v)) for k, v in loras.items())
         elif isinstance(loras, list | tuple):
             args["loras"] = tuple(tuple(pair) for pair in loras)
+        if "auth" in args:
+            args["auth"] = _credentials(args["auth"], "auth", _read_auth)
+        if "api_keys" in args:
+            args["api_keys"] = _credentials(args["api_keys"], "api_keys", _read_api_keys)
         return cls(**args)
+
+    def web_options(self) -> dict:
+        """The keyword arguments of `web.build_app` for the page: the same app, and doors, as `python app.py`."""
+        return dict(
+            images_per_device=self.images_per_device,
+            concurrency=self.concurrency,
+            queue_size=self.queue_size,
+            auth=list(self.auth) or None,
+            api_keys=list(self.api_keys) or None,
+            max_body_mb=self.max_body_mb,
+            max_picture_pixels=self.max_picture_pixels,
+            mcp=self.mcp,
+        )
 
     def engine_sizes(self) -> str | list[tuple[int, int]]:
         return self.sizes if isinstance(self.sizes, str) else [tuple(pair) for pair in self.sizes]
+
+
+def _credentials(value, name: str, read) -> tuple:
+    """`auth` / `api_keys` from the config: null, the flag's string ("a,b", a file), or a list of such strings."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{name} must be a string or a list of strings, as app.py's flag takes")
+    found = []
+    for item in items:
+        found += read(item) or []
+    if items and not found:
+        raise ValueError(f"{name}: nothing given")
+    return tuple(found)
+
+
+# The flags' own readers. Imported when the config is read, not with this module: the replicas, which import it
+# too, need no web layer.
+def _read_auth(value: str) -> list[tuple[str, str]] | None:
+    from web import read_auth
+
+    return read_auth(value)
+
+
+def _read_api_keys(value: str) -> list[str] | None:
+    from web import read_api_keys
+
+    return read_api_keys(value)

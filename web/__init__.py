@@ -14,8 +14,17 @@ carry. Never the engine's internals, and never Ray: `python app.py` and the clus
 same `build_app`.
 """
 
-from .api_gate import DEFAULT_MAX_BODY_MB, read_api_keys
+from .api_gate import DEFAULT_MAX_BODY_MB, read_api_keys, read_auth
 from .page import API_NAME, THEME, create_demo
 from .server import build_app, serve
 
-__all__ = ["API_NAME", "DEFAULT_MAX_BODY_MB", "THEME", "build_app", "create_demo", "read_api_keys", "serve"]
+__all__ = [
+    "API_NAME",
+    "DEFAULT_MAX_BODY_MB",
+    "THEME",
+    "build_app",
+    "create_demo",
+    "read_api_keys",
+    "read_auth",
+    "serve",
+]

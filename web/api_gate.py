@@ -161,6 +161,25 @@ def install_error_handlers(app) -> None:
 # ---- who may call --------------------------------------------------------------------------------
 
 
+def read_auth(value: str | None) -> list[tuple[str, str]] | None:
+    """`--auth`: "user:password", several comma-separated, or a file with one pair per line."""
+    if not value:
+        return None
+    text = Path(value).read_text() if Path(value).is_file() else value
+    pairs = []
+    for item in text.replace(",", "\n").splitlines():
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        user, sep, password = item.partition(":")
+        if not sep or not user or not password:
+            raise ValueError(f"--auth: {item!r} is not user:password")
+        pairs.append((user, password))
+    if not pairs:
+        raise ValueError("--auth: no user:password pair given")
+    return pairs
+
+
 def read_api_keys(value: str | None) -> list[str] | None:
     """`--api-key`: "KEY", several comma-separated, or "@FILE" with one key per line (# starts a comment)."""
     if not value:
