@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 import engine
 from tests._api_server import FakeEngine, fake_app
+from web.throttle import LoginThrottle
 
 MCP_ROUTES = [
     ("GET", "/gradio_api/mcp/schema"),
@@ -33,7 +34,10 @@ INITIALIZE = {
 
 @pytest.fixture(scope="module")
 def closed():
-    app = fake_app(FakeEngine(), auth=[("ann", "secret-a")], api_keys=["sk-jaxsd-key-1"], mcp=True)
+    lenient = LoginThrottle(max_failures=100)  # the probes below fail a dozen logins from the one test address
+    app = fake_app(
+        FakeEngine(), auth=[("ann", "secret-a")], api_keys=["sk-jaxsd-key-1"], mcp=True, login_throttle=lenient
+    )
     with TestClient(app) as client:
         yield client
 

@@ -8,7 +8,7 @@ the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, 
 `serve` runs it with uvicorn), and the REST APIs beside the page: AUTOMATIC1111's (a1111.py, its wire models
 in a1111_models.py) and OpenAI's Images API (openai_images.py), their foreign names mapped to ours in one place
 (names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
-body limits, error shapes). Code here imports the engine only through its public face, `import engine` /
+body limits, error shapes; throttle.py: failed logins per address, the page's and the APIs'). Code here imports the engine only through its public face, `import engine` /
 `from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures
 carry. Never the engine's internals, and never Ray: `python app.py` and the cluster's ingress serve the
 same `build_app`.

@@ -12,11 +12,13 @@ ignored (SillyTavern and Open WebUI send an empty one). Otherwise every call mus
 - `Authorization: Bearer KEY` with an `--api-key` key (OpenAI's way), or `Bearer user:password` of an
   `--auth` user (so an OpenAI client reaches a server started with `--auth` only).
 The PNG links of OpenAI's `response_format=url` (/v1/images/files/...) are open: their unguessable name is the
-credential, as a signed URL's is.
+credential, as a signed URL's is. A wrong credential is a failed login (throttle.py): slowed after a few from one
+address, then that address is refused (429) for a while.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -32,6 +34,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engine
+
+from .throttle import REFUSED, LoginThrottle, address_of
 
 log = logging.getLogger("jax-sd")
 
@@ -253,10 +257,11 @@ class BodyTooLarge(ApiError):
 class ApiGate:
     """ASGI middleware: the APIs' credentials and body limit (see the module's docstring)."""
 
-    def __init__(self, app, access: ApiAccess, max_body_bytes: int):
+    def __init__(self, app, access: ApiAccess, max_body_bytes: int, throttle: LoginThrottle | None = None):
         self.app = app
         self.access = access
         self.max_body_bytes = max_body_bytes
+        self.throttle = LoginThrottle() if throttle is None else throttle  # shared with the page's login form
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
@@ -265,7 +270,20 @@ class ApiGate:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.access.closed and not path.startswith(FILES_PREFIX):
-            caller = self.access.identify(headers.get("authorization", ""))
+            address = address_of(scope)
+            seconds = self.throttle.retry_after(address)
+            if seconds is not None:
+                message = REFUSED.format(seconds=seconds)
+                response = error_response(
+                    path, 429, message, code="rate_limit_exceeded", headers={"Retry-After": str(seconds)}
+                )
+                return await response(scope, receive, send)
+            given = headers.get("authorization", "")
+            caller = self.access.identify(given)
+            if caller is None and given.strip():  # a wrong credential, not a missing one, counts as a failed login
+                await asyncio.sleep(self.throttle.failed(address))
+            elif caller is not None:
+                self.throttle.succeeded(address)
             if caller is None and door == "mcp":
                 response = JSONResponse(
                     status_code=401,

@@ -23,6 +23,7 @@ from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_han
 from .openai_images import openai_router
 from .page import THEME, create_demo
 from .pictures import ClientFiles, default_max_pixels
+from .throttle import LoginGuard, LoginThrottle
 
 log = logging.getLogger("jax-sd")
 
@@ -51,6 +52,7 @@ def build_app(
     api_keys: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     max_picture_pixels: int | None = None,
+    login_throttle: LoginThrottle | None = None,
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -66,7 +68,8 @@ def build_app(
     request bodies are refused (413) beyond it, and so are the page's uploads. `max_picture_pixels`: a picture
     sent in (page, APIs, PNG-info drop) over this many pixels is refused from its header, before it is decoded
     (default: `pictures.default_max_pixels`). A path a client names is opened only when it lies in Gradio's
-    upload folder or is a picture this server wrote (pictures.py)."""
+    upload folder or is a picture this server wrote (pictures.py). Failed logins (the page's form, a wrong API
+    credential) are slowed, then refused for a while, per address (`login_throttle`, default: throttle.py's)."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
     max_pixels = max_picture_pixels or default_max_pixels(engine.limits)
     files = ClientFiles(max_pixels)
@@ -82,7 +85,10 @@ def build_app(
     app.include_router(openai_router(engine, jobs, max_pixels=max_pixels))
     install_error_handlers(app)
     access = ApiAccess(users=tuple(auth or ()), keys=tuple(api_keys or ()))
-    app.add_middleware(ApiGate, access=access, max_body_bytes=int(max_body_mb * 2**20))
+    # Failed logins, at the page's form and the APIs' gate alike, counted together.
+    throttle = LoginThrottle() if login_throttle is None else login_throttle
+    app.add_middleware(ApiGate, access=access, max_body_bytes=int(max_body_mb * 2**20), throttle=throttle)
+    app.add_middleware(LoginGuard, throttle=throttle)
 
     app = gr.mount_gradio_app(
         app,
