@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         help="a picture sent in (page, REST APIs, PNG info) over this many pixels is refused from its header, before "
         "it is decoded (default: twice the largest side the model draws, squared)",
     )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=os.environ.get("JAX_SD_ALLOWED_HOSTS") or None,
+        help="host names the server answers to besides 127.0.0.1, localhost and [::1], comma-separated (env "
+        "JAX_SD_ALLOWED_HOSTS). On a loopback --host, a request naming another host is refused (DNS rebinding); on "
+        "0.0.0.0 nothing is checked unless names are given",
+    )
     parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
     parser.add_argument(
         "--no-safety-checker",
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         auth = read_auth(args.auth)
         api_keys = web.read_api_keys(args.api_key)
+        extra_hosts = web.read_allowed_hosts(args.allowed_hosts)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     # Our own progress lines; other libraries only when something is wrong (no backend-probing chatter).
@@ -198,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         api_keys=api_keys,
         max_body_mb=args.max_body_mb,
         max_picture_pixels=args.max_picture_pixels,
+        # A share link's tunnel reaches the server under the link's name: public already, so no names checked.
+        allowed_hosts=None if args.share and not extra_hosts else web.allowed_hosts(args.host, extra_hosts),
     )
     web.serve(web_app, server_name=args.host, server_port=args.port, share=args.share)
 

@@ -3,7 +3,7 @@ it serves.
 
 The Serve config's `args` (serve_config.yaml) fill it; where replicas run and how many there are is Ray
 Serve's own part of that config (`deployments:`), not ours. The page's doors (`auth`, `api_keys`,
-`max_body_mb`, `max_picture_pixels`, `mcp`) mean what app.py's flags of those names mean, and reach the same
+`max_body_mb`, `max_picture_pixels`, `mcp`, `allowed_hosts`) mean what app.py's flags of those names mean, and reach the same
 `web.build_app` (`web_options`).
 """
 
@@ -38,6 +38,9 @@ class ClusterSettings:
     max_body_mb: float = 20.0  # the APIs' bodies and the page's uploads at most, as --max-body-mb (web's default)
     max_picture_pixels: int | None = None  # a picture sent in over this is refused from its header; None: web's
     mcp: bool = False  # also serve /generate as an MCP tool, as --mcp (behind auth and api_keys like the APIs)
+    # The Host names the page answers to besides loopback's, as --allowed-hosts; () checks none: the page cannot
+    # tell where Serve's proxy listens (http_options.host).
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self):
         number = int | float
@@ -69,12 +72,16 @@ class ClusterSettings:
             args["loras"] = tuple(tuple(pair) for pair in loras)
         if "auth" in args:
             args["auth"] = _credentials(args["auth"], "auth", _read_auth)
+        if "allowed_hosts" in args:
+            args["allowed_hosts"] = _read_allowed_hosts(args["allowed_hosts"])
         if "api_keys" in args:
             args["api_keys"] = _credentials(args["api_keys"], "api_keys", _read_api_keys)
         return cls(**args)
 
     def web_options(self) -> dict:
         """The keyword arguments of `web.build_app` for the page: the same app, and doors, as `python app.py`."""
+        from web import allowed_hosts  # on the ingress, which serves the web layer
+
         return dict(
             images_per_device=self.images_per_device,
             concurrency=self.concurrency,
@@ -84,6 +91,7 @@ class ClusterSettings:
             max_body_mb=self.max_body_mb,
             max_picture_pixels=self.max_picture_pixels,
             mcp=self.mcp,
+            allowed_hosts=allowed_hosts("0.0.0.0", self.allowed_hosts),
         )
 
     def engine_sizes(self) -> str | list[tuple[int, int]]:
@@ -117,3 +125,9 @@ def _read_api_keys(value: str) -> list[str] | None:
     from web import read_api_keys
 
     return read_api_keys(value)
+
+
+def _read_allowed_hosts(value) -> tuple[str, ...]:
+    from web import read_allowed_hosts
+
+    return read_allowed_hosts(value)

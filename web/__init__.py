@@ -8,13 +8,15 @@ the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, 
 `serve` runs it with uvicorn), and the REST APIs beside the page: AUTOMATIC1111's (a1111.py, its wire models
 in a1111_models.py) and OpenAI's Images API (openai_images.py), their foreign names mapped to ours in one place
 (names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
-body limits, error shapes; throttle.py: failed logins per address, the page's and the APIs'). Code here imports the engine only through its public face, `import engine` /
+body limits, error shapes; throttle.py: failed logins per address, the page's and the APIs'; hosts.py: the Host
+names it answers to). Code here imports the engine only through its public face, `import engine` /
 `from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures
 carry. Never the engine's internals, and never Ray: `python app.py` and the cluster's ingress serve the
 same `build_app`.
 """
 
 from .api_gate import DEFAULT_MAX_BODY_MB, read_api_keys, read_auth
+from .hosts import allowed_hosts, read_allowed_hosts
 from .page import API_NAME, THEME, create_demo
 from .server import build_app, serve
 
@@ -22,8 +24,10 @@ __all__ = [
     "API_NAME",
     "DEFAULT_MAX_BODY_MB",
     "THEME",
+    "allowed_hosts",
     "build_app",
     "create_demo",
+    "read_allowed_hosts",
     "read_api_keys",
     "read_auth",
     "serve",

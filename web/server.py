@@ -20,6 +20,7 @@ import engine
 from .a1111 import a1111_router
 from .api_common import ApiJobs
 from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_handlers
+from .hosts import HostCheck
 from .openai_images import openai_router
 from .page import THEME, create_demo
 from .pictures import ClientFiles, default_max_pixels
@@ -53,6 +54,7 @@ def build_app(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     max_picture_pixels: int | None = None,
     login_throttle: LoginThrottle | None = None,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -69,7 +71,8 @@ def build_app(
     sent in (page, APIs, PNG-info drop) over this many pixels is refused from its header, before it is decoded
     (default: `pictures.default_max_pixels`). A path a client names is opened only when it lies in Gradio's
     upload folder or is a picture this server wrote (pictures.py). Failed logins (the page's form, a wrong API
-    credential) are slowed, then refused for a while, per address (`login_throttle`, default: throttle.py's)."""
+    credential) are slowed, then refused for a while, per address (`login_throttle`, default: throttle.py's).
+    `allowed_hosts`: the Host names it answers to, others get 400 (hosts.py: `allowed_hosts`); None: any."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
     max_pixels = max_picture_pixels or default_max_pixels(engine.limits)
     files = ClientFiles(max_pixels)
@@ -89,6 +92,8 @@ def build_app(
     throttle = LoginThrottle() if login_throttle is None else login_throttle
     app.add_middleware(ApiGate, access=access, max_body_bytes=int(max_body_mb * 2**20), throttle=throttle)
     app.add_middleware(LoginGuard, throttle=throttle)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))  # the last added runs first
 
     app = gr.mount_gradio_app(
         app,
