@@ -114,11 +114,16 @@ def describe(result: engine.GenerationResult, random_seed: bool) -> str:
     return text
 
 
-def with_parameters(image: Image.Image, request: engine.GenerationRequest, seed: int, model: str) -> str:
+def with_parameters(
+    image: Image.Image, request: engine.GenerationRequest, seed: int, model: str, files: ClientFiles | None = None
+) -> str:
     """The picture as a PNG file that carries its recipe (A1111's "parameters" chunk): what the gallery serves,
-    so a downloaded picture remembers how it was made."""
-    handle, path = tempfile.mkstemp(suffix=".png", prefix=f"seed{seed}-")
-    os.close(handle)
+    so a downloaded picture remembers how it was made. `files`: where it is noted as written, and deleted in time."""
+    if files is not None:
+        path = files.new_picture(prefix=f"seed{seed}-")
+    else:
+        handle, path = tempfile.mkstemp(suffix=".png", prefix=f"seed{seed}-")
+        os.close(handle)
     save_png(image, path, GenerationParameters.from_request(request, seed, model))
     return path
 
@@ -174,9 +179,7 @@ async def stream(
                 if withheld:
                     gallery.append((_placeholder(image.size), f"filtered by the safety checker · seed {seed}"))
                     continue
-                path = with_parameters(image, result.request, seed, pipe.model_name)
-                if files is not None:
-                    files.wrote(path)
+                path = with_parameters(image, result.request, seed, pipe.model_name, files)
                 gallery.append((path, f"{device} · seed {seed}"))
             yield gallery, request.seed, describe(result, as_bool(random_seed))
 

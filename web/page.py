@@ -25,6 +25,7 @@ log = logging.getLogger("jax-sd")
 
 API_NAME = "generate"  # gradio_client: Client(url).predict(..., api_name="/generate")
 MAX_SEED = engine.SEED_LIMIT - 1
+CACHE_SWEEP_S = 600  # how often Gradio's cache is swept of the files older than the pictures' time
 
 EXAMPLE_PROMPTS = [
     "Labrador in the style of Hokusai",
@@ -286,7 +287,10 @@ def create_demo(
     def refresh_status():
         return handlers.status_line(pipe), gr.Timer(active=not pipe.ready)
 
-    with gr.Blocks(title="jax-sd", analytics_enabled=False) as demo:
+    # Gradio's copies of the pictures (its cache, and the uploads) are deleted on the schedule of ours.
+    age = max(1, round(files.ttl_s))
+    sweep = (min(age, CACHE_SWEEP_S), age)  # (every so many seconds, files older than)
+    with gr.Blocks(title="jax-sd", analytics_enabled=False, delete_cache=sweep) as demo:
         gr.Markdown("# jax-sd\nStable Diffusion in JAX: text to image, image to image, inpainting.")
         gr.Markdown(handlers.model_summary(pipe), elem_id="model")
         status = gr.Markdown(handlers.status_line(pipe), elem_id="status")

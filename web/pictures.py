@@ -6,12 +6,19 @@ than PNG, JPEG or WebP and a picture over the pixel limit, and only then decodes
 which paths a client may name: a file under Gradio's upload folder (where uploads and Gradio's cache live), or
 a file this server wrote. Anything else is refused with one message, whatever the path, which is never echoed:
 an existing secret, a file that is no picture and a missing one read alike.
+
+The pictures this server writes (`ClientFiles.new_picture`) are deleted once `ttl_s` has passed, or once more
+than `capacity` are remembered, and Gradio's copies of them in its cache with them, so the disk they take stays
+bounded (the rest of Gradio's cache, the uploads, is swept on the same schedule: page.py's `delete_cache`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import tempfile
+import threading
+import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -24,6 +31,7 @@ import engine
 FORMATS = ("PNG", "JPEG", "WEBP")  # what Pillow may open for a client: no EPS (Ghostscript), no exotic decoders
 SIDE_FACTOR = 2  # the default limit: a picture up to twice the largest side the server draws, squared
 NOT_OURS = "{what} is not a picture uploaded to this server: upload it first."
+PICTURE_TTL_S = 3600  # a picture this server wrote is kept this long for the page to serve, then deleted
 
 
 def default_max_pixels(limits: engine.Limits) -> int:
@@ -66,19 +74,73 @@ def _upload_folder() -> Path:
 
 class ClientFiles:
     """The paths a client may name, and the pictures opened from them. `upload_folder`: Gradio's (default: as
-    Gradio finds it); `capacity`: files this server wrote that are remembered, the oldest forgotten first."""
+    Gradio finds it); `capacity`: files this server wrote that are kept, the oldest deleted first; `ttl_s`: how long
+    one is kept; `folder`: where they are written (default: the system's temp folder)."""
 
-    def __init__(self, max_pixels: int, upload_folder: str | os.PathLike | None = None, capacity: int = 4096):
+    def __init__(
+        self,
+        max_pixels: int,
+        upload_folder: str | os.PathLike | None = None,
+        capacity: int = 4096,
+        ttl_s: float = PICTURE_TTL_S,
+        folder: str | os.PathLike | None = None,
+        clock=time.monotonic,
+    ):
         self.max_pixels = max_pixels
         self.upload_folder = Path(upload_folder) if upload_folder is not None else _upload_folder()
         self.capacity = capacity
-        self._written: OrderedDict[Path, None] = OrderedDict()
+        self.ttl_s = ttl_s
+        self.folder = folder
+        self.clock = clock
+        self._written: OrderedDict[Path, float] = OrderedDict()  # path -> when written, the oldest first
+        self._lock = threading.Lock()
+
+    def new_picture(self, prefix: str = "") -> str:
+        """A new empty .png file for a picture this server writes, noted as written (and deleted in its time)."""
+        handle, path = tempfile.mkstemp(suffix=".png", prefix=prefix, dir=self.folder)
+        os.close(handle)
+        self.wrote(path)
+        return path
 
     def wrote(self, path: str | os.PathLike) -> None:
-        """Notes a file this server wrote (a picture it serves), so that a client may hand it back."""
-        self._written[Path(path).resolve()] = None
-        while len(self._written) > self.capacity:
-            self._written.popitem(last=False)
+        """Notes a file this server wrote (a picture it serves), so that a client may hand it back until it is
+        deleted: after `ttl_s`, or when more than `capacity` are kept."""
+        with self._lock:
+            self._written[Path(path).resolve()] = self.clock()
+            self._written.move_to_end(Path(path).resolve())
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Deletes the written files past their time, and the oldest beyond `capacity`."""
+        with self._lock:
+            now, gone = self.clock(), []
+            while self._written:
+                path, written = next(iter(self._written.items()))
+                if len(self._written) <= self.capacity and now - written <= self.ttl_s:
+                    break
+                del self._written[path]
+                gone.append(path)
+        for path in gone:
+            path.unlink(missing_ok=True)
+        if gone:
+            self._delete_copies({path.name for path in gone})
+
+    def _delete_copies(self, names: set[str]) -> None:
+        # Gradio serves a picture from its copy, under the file's name in a folder of the upload folder named by its
+        # hash (and its own delete_cache misses those of an event's outputs); our names are unique (mkstemp's).
+        try:
+            folders = [entry for entry in os.scandir(self.upload_folder) if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for folder in folders:
+            for name in names:
+                copy = Path(folder.path, name)
+                if copy.is_file():
+                    copy.unlink(missing_ok=True)
+                    try:
+                        Path(folder.path).rmdir()  # the folder Gradio made for it, once empty
+                    except OSError:
+                        pass
 
     def may_open(self, path: str | os.PathLike) -> bool:
         """Whether a client may name `path`: an existing file, after symlinks, under the upload folder or written here."""

@@ -23,7 +23,7 @@ from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_han
 from .hosts import HostCheck
 from .openai_images import openai_router
 from .page import THEME, create_demo
-from .pictures import ClientFiles, default_max_pixels
+from .pictures import PICTURE_TTL_S, ClientFiles, default_max_pixels
 from .throttle import LoginGuard, LoginThrottle
 
 log = logging.getLogger("jax-sd")
@@ -55,6 +55,7 @@ def build_app(
     max_picture_pixels: int | None = None,
     login_throttle: LoginThrottle | None = None,
     allowed_hosts: frozenset[str] | None = None,
+    picture_ttl_s: float = PICTURE_TTL_S,
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -72,10 +73,11 @@ def build_app(
     (default: `pictures.default_max_pixels`). A path a client names is opened only when it lies in Gradio's
     upload folder or is a picture this server wrote (pictures.py). Failed logins (the page's form, a wrong API
     credential) are slowed, then refused for a while, per address (`login_throttle`, default: throttle.py's).
-    `allowed_hosts`: the Host names it answers to, others get 400 (hosts.py: `allowed_hosts`); None: any."""
+    `allowed_hosts`: the Host names it answers to, others get 400 (hosts.py: `allowed_hosts`); None: any.
+    `picture_ttl_s`: the pictures the page drew are deleted after this long, and Gradio's copies of them."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
     max_pixels = max_picture_pixels or default_max_pixels(engine.limits)
-    files = ClientFiles(max_pixels)
+    files = ClientFiles(max_pixels, ttl_s=picture_ttl_s)
     demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency, files=files)
     demo.queue(max_size=queue_size)
     app.state.demo = demo
