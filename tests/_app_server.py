@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multidevice import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300  # import JAX, load the embedded model; warm-up goes on in the background
 QUEUE_SIZE = 2  # small, so that a test can fill the queue with a handful of requests
@@ -45,8 +47,9 @@ class AppServer:
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        for name in ("XLA_FLAGS", "MODEL_ID", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
+        for name in ("MODEL_ID", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
             environment.pop(name, None)  # the server's setup comes from this helper only
+        environment["XLA_FLAGS"] = xla_flags()  # the suite's compile flags, no device count of this process's
         environment.update(env or {})
         command = [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(self.log_path, "w")  # closed in stop()

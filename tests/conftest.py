@@ -12,6 +12,12 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The suite compares f32 pictures with diffusers' f32: no host's bf16 default (tests that want bf16 ask for it).
 os.environ.setdefault("JAX_SD_DTYPE", "float32")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Most of the suite's time is XLA compiling small programs for the tiny models, whose runs are short. The tests and
+# the processes they start compile with less of LLVM's effort: the same HLO, the same passes over it, host code that
+# is less tuned (measured on 2 Zen 3 cores: test_controlnet.py 143 -> 96 s). tests/multidevice.py passes these on.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,13 +16,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a child process: this suite's own (conftest's compile flags), with `devices` CPU devices if
+    given and never the device count this process may have chosen for itself."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join(flags + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices else []))
 
 
 def start_with_devices(n: int, code: str, out: Path, timeout: float = 300) -> Callable[[], str]:
     """Starts `code` (which sees `OUT`, a pathlib.Path to `out`) with n CPU devices; returns a wait for its stdout."""
     out.mkdir(parents=True, exist_ok=True)
     prelude = f"import pathlib, sys\nsys.path.insert(0, {str(ROOT)!r})\nOUT = pathlib.Path({str(out)!r})\n"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(n))
     process = subprocess.Popen(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
         env=env,

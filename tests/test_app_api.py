@@ -23,6 +23,7 @@ import engine
 from engine.compat.pnginfo import GenerationParameters, png_info, save_png
 from engine.serving.warmup import Warmup
 from tests._app_server import CONCURRENCY, QUEUE_SIZE, AppServer, shared_app
+from tests.multidevice import xla_flags
 from web import handlers, page, requests
 from web.pictures import ClientFiles
 
@@ -441,7 +442,7 @@ def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
     from gradio_client import Client
 
     # Two simulated CPU devices: the default request fills one slot on each.
-    server = AppServer(tmp_path, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}).wait_until_up()
+    server = AppServer(tmp_path, env={"XLA_FLAGS": xla_flags(2)}).wait_until_up()
     try:
         client = Client(server.url, verbose=False, download_files=str(tmp_path / "downloads"))
         gallery, _, info = call(client, seed=40)
