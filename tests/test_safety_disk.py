@@ -6,7 +6,6 @@ than the registry keeps are written, and Gradio's copies of them in its cache ar
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from gradio.utils import get_upload_folder
@@ -74,8 +73,9 @@ def test_the_pages_pictures_leave_gradios_cache_with_ours(tmp_path):
     def cached(name: str) -> bool:
         return any(cache.glob(f"*/{name}"))
 
-    app = web.build_app(FakeEngine(), picture_ttl_s=1)
-    assert app.state.demo.delete_cache == (1, 1)  # the uploads in Gradio's cache, swept by Gradio on our schedule
+    app = web.build_app(FakeEngine(), picture_ttl_s=60)
+    assert app.state.demo.delete_cache == (60, 60)  # the uploads in Gradio's cache, swept by Gradio on our schedule
+    app.state.files.clock = clock = Clock()
     with ServedApp(app) as url:
         client = Client(url, verbose=False, download_files=str(tmp_path))
 
@@ -85,6 +85,6 @@ def test_the_pages_pictures_leave_gradios_cache_with_ours(tmp_path):
 
         names = [picture_name(seed) for seed in (1, 2, 3)]
         assert all(cached(name) for name in names), "the pictures are served from Gradio's cache"
-        time.sleep(1.1)
+        clock.now += 61
         names.append(picture_name(4))
     assert [cached(name) for name in names] == [False, False, False, True]

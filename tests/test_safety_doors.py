@@ -34,7 +34,8 @@ INITIALIZE = {
 
 @pytest.fixture(scope="module")
 def closed():
-    lenient = LoginThrottle(max_failures=100)  # the probes below fail a dozen logins from the one test address
+    # The probes below fail a dozen logins from the one test address: neither slowed nor refused here.
+    lenient = LoginThrottle(slow_after=100, max_failures=100)
     app = fake_app(
         FakeEngine(), auth=[("ann", "secret-a")], api_keys=["sk-jaxsd-key-1"], mcp=True, login_throttle=lenient
     )

@@ -63,7 +63,8 @@ def build_app(
     (default: twice its slots); `queue_size`: requests waiting beyond those, more are refused at once;
     `auth`: (user, password) pairs for the page and its API; `mcp`: also serve `/generate` as an MCP tool;
     `allowed_paths` / `blocked_paths`: files the page may serve or never serve (default: Gradio's
-    GRADIO_ALLOWED_PATHS / GRADIO_BLOCKED_PATHS). The page's Blocks is `app.state.demo`.
+    GRADIO_ALLOWED_PATHS / GRADIO_BLOCKED_PATHS). The page's Blocks is `app.state.demo`, and its `ClientFiles`
+    (pictures.py) `app.state.files`.
 
     Beside the page, on the same port: AUTOMATIC1111's API at /sdapi/v1/ (a1111.py) and OpenAI's Images API at
     /v1/images/ (openai_images.py). `auth` and `api_keys` close them (api_gate.py: HTTP Basic as an `auth`
@@ -81,6 +82,7 @@ def build_app(
     demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency, files=files)
     demo.queue(max_size=queue_size)
     app.state.demo = demo
+    app.state.files = files  # the paths clients may name, and the pictures written here
 
     # Routers (REST APIs) go here, before the page: the page is mounted at "/", and a mount at "/" answers
     # every path that no route before it took.
