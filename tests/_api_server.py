@@ -164,12 +164,12 @@ def decode_png(text: str) -> Image.Image:
 
 
 def shared_engine(request, tmp_path_factory) -> engine.Engine:
-    """The session's one embedded-model engine for the API tests (both files), with a compile cache of its own
+    """The session's one embedded-model engine for the API tests (both files), with the session's compile cache
     so that a second engine (the busy test's) loads the same programs from disk."""
     config = request.config
     pipe = getattr(config, "_jax_sd_api_engine", None)
     if pipe is None:
-        engine.enable_compile_cache(tmp_path_factory.mktemp("api-xla"))
+        engine.enable_compile_cache()
         pipe = engine.load_pipeline(max_batch_size=2)
         config._jax_sd_api_engine = pipe
         config.add_cleanup(pipe.close)

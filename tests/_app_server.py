@@ -38,10 +38,11 @@ class AppServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = workdir / f"app-{self.port}.log"
+        self.cache_dir = Path(os.environ.get("JAX_SD_CACHE_DIR") or workdir / "xla-cache")  # the session's (conftest)
         environment = {
             **os.environ,
             "JAX_PLATFORMS": "cpu",
-            "JAX_SD_CACHE_DIR": str(workdir / "xla-cache"),
+            "JAX_SD_CACHE_DIR": str(self.cache_dir),
             "GRADIO_TEMP_DIR": str(workdir / "gradio"),
             "GRADIO_ANALYTICS_ENABLED": "False",
             "HF_HUB_OFFLINE": "1",

@@ -1,7 +1,9 @@
 """Shared test set-up: tests run on the CPU in f32, from the repo root."""
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+# One compile cache for the session (JAX_SD_CACHE_DIR, which `enable_compile_cache` reads): the in-process engines,
+# the app servers and the cluster's replicas the tests start load what another of them compiled. Never the user's own.
+SESSION_CACHE = tempfile.mkdtemp(prefix="jax-sd-test-xla-")
+os.environ["JAX_SD_CACHE_DIR"] = SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -431,7 +431,7 @@ def test_the_compiled_program_is_kept_on_disk(client, request, tmp_path_factory)
     # A restart finds the engine's three programs (admit, advance, decode) in JAX's
     # persistent cache instead of compiling them again.
     call(client, seed=2)
-    cache = shared_app(request, tmp_path_factory).log_path.parent / "xla-cache"
+    cache = shared_app(request, tmp_path_factory).cache_dir
     entries = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
     for program in ("jit_admit", "jit_advance", "jit_decode_lanes"):
         assert any(name.startswith(program) for name in entries), f"{program} not in the persistent cache: {entries}"

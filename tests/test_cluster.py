@@ -301,7 +301,7 @@ class LocalCluster:
         self.ray, self.serve = ray, serve
         env = {
             "JAX_PLATFORMS": "cpu",
-            "JAX_SD_CACHE_DIR": str(workdir / "xla-cache"),  # filled by the single-machine engine first
+            "JAX_SD_CACHE_DIR": os.environ["JAX_SD_CACHE_DIR"],  # the session's: filled by the single machine first
             "GRADIO_TEMP_DIR": str(workdir / "gradio"),
             "GRADIO_ANALYTICS_ENABLED": "False",
             "HF_HUB_OFFLINE": "1",
@@ -360,7 +360,7 @@ def request_for_user(k: int, seed: int) -> engine.GenerationRequest:
 
 def single_machine_pictures(workdir: Path) -> dict[int, np.ndarray]:
     """The users' pictures from the single-machine engine; its compile cache then serves the replicas."""
-    engine.enable_compile_cache(workdir / "xla-cache")
+    engine.enable_compile_cache()  # the session's, which the replicas read
     pipe = engine.load_pipeline(None, max_batch_size=2, sizes=[(SIZE, SIZE)])
     pipe.start_warmup(num_images=1)  # what every replica compiles, so that they load it from the cache
     pipe.warmup_state.done.wait()

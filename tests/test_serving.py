@@ -32,9 +32,9 @@ WAIT_S = 300  # no request in this file may take longer: a hang fails instead of
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    # Engines with the same batch shapes share their programs through the disk cache.
-    enable_compile_cache(tmp_path_factory.mktemp("xla"))
+def compile_cache():
+    # Engines with the same batch shapes share their programs through the (session's) disk cache.
+    enable_compile_cache()
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,11 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
     """Keeps compiled programs on disk (JAX_SD_CACHE_DIR, default ~/.cache/jax-sd/xla)."""
     path = Path(path or os.environ.get("JAX_SD_CACHE_DIR") or Path.home() / ".cache" / "jax-sd" / "xla")
     path.mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir not in (None, str(path)):
+        # JAX opens its cache once, at the first compile after a folder is named: moving it takes a reset.
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
