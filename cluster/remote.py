@@ -52,8 +52,8 @@ class ClusterWarmup:
 class RemoteTicket(engine.Ticket):
     """A ticket fed from a replica's stream; cancelling it cancels the remote call."""
 
-    def __init__(self, request: engine.GenerationRequest):
-        super().__init__(request, [])  # the prompt's warnings come back in the result
+    def __init__(self, request: engine.GenerationRequest, caller: str = ""):
+        super().__init__(request, [], caller)  # the prompt's warnings come back in the result
         self.call: concurrent.futures.Future | None = None
 
     def cancel(self) -> None:
@@ -120,12 +120,13 @@ class RemoteEngine:
     def max_steps(self) -> int:
         return self.limits.max_steps
 
-    def submit(self, request: engine.GenerationRequest) -> engine.Ticket:
-        """Returns at once with the request's Ticket; raises InvalidRequest as the engine would."""
+    def submit(self, request: engine.GenerationRequest, caller: str = "") -> engine.Ticket:
+        """Returns at once with the request's Ticket; raises InvalidRequest as the engine would. `caller`: who asks,
+        passed on, so that a replica serves callers in turn as the engine does."""
         if not isinstance(request, engine.GenerationRequest):
             raise engine.InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
         r = self.limits.resolve(request, self.defaults, self.images_per_device)
-        ticket = RemoteTicket(r)
+        ticket = RemoteTicket(r, caller)
         ticket.call = asyncio.run_coroutine_threadsafe(self._stream(ticket, r), self._event_loop())
         return ticket
 
@@ -148,7 +149,7 @@ class RemoteEngine:
         for attempt in range(self.retries + 1):
             call = None
             try:
-                call = self.handle.generate.remote(request, self.model)
+                call = self.handle.generate.remote(request, self.model, ticket.caller)
                 async for event in call:
                     ticket.emit(event)
                 if not ticket.done:

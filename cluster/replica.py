@@ -132,8 +132,11 @@ class EngineReplica:
         self._tickets = [t for t in self._tickets if not t.done]
         return {"replica": self.name, "pid": os.getpid(), "drawing": len(self._tickets), "stopped": self.stopped}
 
-    async def generate(self, request: engine.GenerationRequest, model: str | None = None) -> AsyncIterator[Event]:
-        """The request's events, streamed; cancelling the call (the caller's Stop) cancels the request."""
+    async def generate(
+        self, request: engine.GenerationRequest, model: str | None = None, caller: str = ""
+    ) -> AsyncIterator[Event]:
+        """The request's events, streamed; cancelling the call (the caller's Stop) cancels the request. `caller`:
+        who asks, as the engine's `submit` takes it."""
         if model is not None and served_name(model) != served_name(self.settings.model):
             yield engine.Failed(
                 engine.InvalidRequest(
@@ -142,7 +145,7 @@ class EngineReplica:
             )
             return
         try:
-            ticket = self.engine.submit(request)
+            ticket = self.engine.submit(request, caller)
         except (engine.InvalidRequest, engine.Busy) as e:
             yield engine.Failed(e)
             return

@@ -54,8 +54,9 @@ class EngineFace(Protocol):
     def warmup_state(self) -> Warmup: ...
 
     # Work
-    def submit(self, request: GenerationRequest) -> Ticket:
-        """Returns at once with the request's ticket; raises `engine.InvalidRequest` or `engine.Busy`."""
+    def submit(self, request: GenerationRequest, caller: str = "") -> Ticket:
+        """Returns at once with the request's ticket; raises `engine.InvalidRequest` or `engine.Busy`. `caller`: who
+        asks (a credential, a page session, an address); waiting requests are served in callers' turns."""
         ...
 
     def canny_image(self, image: Image.Image) -> Image.Image:

@@ -152,7 +152,7 @@ class FakeCall:
 
 
 class FakeHandle:
-    """`handle.options(stream=True).generate.remote(request, model)`, answered by a script of replicas."""
+    """`handle.options(stream=True).generate.remote(request, model, caller)`, answered by a script of replicas."""
 
     def __init__(self, *script):
         self.script = list(script)  # each: request -> FakeCall
@@ -166,7 +166,7 @@ class FakeHandle:
     def generate(self):
         return self
 
-    def remote(self, request, model):
+    def remote(self, request, model, caller=""):
         self.models.append(model)
         self.calls.append(self.script.pop(0)(request))
         return self.calls[-1]

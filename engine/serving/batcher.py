@@ -3,7 +3,8 @@
 Every image of every request is a slot. A batch advances all its occupied slots by a chunk of steps
 with one program; between chunks, finished images are decoded and handed back, new requests of the
 same plan take the free slots at once (they never wait for another request's whole run), and a
-stopped or failed request's slots are cleared. Plans (shapes) take turns chunk by chunk, and at most
+stopped or failed request's slots are cleared. Waiting requests take slots in their callers' turns
+(`in_turns`): a newcomer's first request goes ahead of a flooder's next one, not behind all of them. Plans (shapes) take turns chunk by chunk, and at most
 `max_live_plans` batches exist at once; a request whose plan has no batch and cannot get one blocks
 the queue behind it, so the batches ahead drain and no shape starves. Programs are compiled on threads
 of their own (`Programs`); a request waits for its plan's compile without holding up anyone else's chunks.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import jax
@@ -33,6 +34,19 @@ from .slots import admission as make_admission
 from .ticket import Failed, Progress, Queued
 
 log = logging.getLogger("jax-sd")
+
+
+def in_turns(waiting: list[Job], served: dict[str, int]) -> list[Job]:
+    """The waiting line in callers' turns. A caller's k-th request in line ranks k-th, and among those of one rank
+    the caller who got a slot longest ago (`served`: caller -> when; never: first) goes first, then the older.
+    One caller's requests keep their order; a newcomer's first request goes ahead of a flooder's next one."""
+    count: Counter[str] = Counter()
+    ranked = []
+    for job in sorted(waiting, key=lambda job: job.submitted):
+        caller = job.ticket.caller
+        ranked.append((count[caller], served.get(caller, -1), job.submitted, job))
+        count[caller] += 1
+    return [entry[-1] for entry in sorted(ranked, key=lambda entry: entry[:3])]
 
 
 class Batcher:
@@ -63,9 +77,11 @@ class Batcher:
         self.chunk_steps, self.max_waiting, self.max_live_plans = chunk_steps, max_waiting, max_live_plans
         self.preview_every_s = preview_every_s
         self._inbox: deque[Job] = deque()
-        self._waiting: list[Job] = []  # scheduler thread only, oldest first
+        self._waiting: list[Job] = []  # scheduler thread only, in callers' turns (`in_turns`)
         self._batches: dict[tuple, Batch] = {}  # Job.key -> its batch
         self._turn = 0
+        self._served: dict[str, int] = {}  # caller -> the admission count when it last got a slot (`in_turns`)
+        self._admissions = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._stop = False
@@ -132,7 +148,10 @@ class Batcher:
         return list(jobs.values())
 
     def _place(self) -> None:
-        """Gives free slots to waiting requests, oldest first (see the module docstring for fairness)."""
+        """Gives free slots to waiting requests in callers' turns (see the module docstring for fairness)."""
+        present = {job.ticket.caller for job in self._jobs()}
+        self._served = {caller: when for caller, when in self._served.items() if caller in present}  # bounded
+        self._waiting = in_turns(self._waiting, self._served)
         for job in list(self._waiting):
             if job.failed:
                 self._waiting.remove(job)
@@ -158,6 +177,8 @@ class Batcher:
                 if not job.waiting:
                     break
                 batch.changes[k] = (job, job.waiting.popleft())
+                self._served[job.ticket.caller] = self._admissions
+                self._admissions += 1
                 if job.started is None:
                     job.started = time.perf_counter()
             if not job.waiting:

@@ -214,8 +214,9 @@ class Engine:
         """The Canny edge map of a picture (white edges on black), the usual control image: for the page."""
         return canny_image(image, low, high)
 
-    def submit(self, request: GenerationRequest) -> Ticket:
-        """Queues a request; returns at once with its Ticket. Raises InvalidRequest, or Busy when the queue is full."""
+    def submit(self, request: GenerationRequest, caller: str = "") -> Ticket:
+        """Queues a request; returns at once with its Ticket. Raises InvalidRequest, or Busy when the queue is full.
+        `caller`: who asks; waiting requests are admitted in callers' turns (batcher.py: `in_turns`)."""
         if not isinstance(request, GenerationRequest):
             raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
         self.variant.check(request.image, request.mask_image)
@@ -224,7 +225,7 @@ class Engine:
         prompts = self.prompts(r)
         plan = self.plan(r, max(p.chunks for p in prompts))
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]
-        ticket = Ticket(r, [note for note in notes if note])
+        ticket = Ticket(r, [note for note in notes if note], caller)
         self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
 

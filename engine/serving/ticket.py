@@ -52,9 +52,10 @@ Event = Queued | Progress | Preview | Finished | Failed
 class Ticket:
     """One submitted request. Thread-safe; every reader sees every event from the start."""
 
-    def __init__(self, request: GenerationRequest, warnings: list[str]):
+    def __init__(self, request: GenerationRequest, warnings: list[str], caller: str = ""):
         self.request = request  # complete: every default filled in
         self.warnings = warnings
+        self.caller = caller  # who asked (a credential, a page session, an address): the batcher serves callers in turn
         self._history: list[Event] = []
         self._listeners: list[Callable[[Event], None]] = []
         self._lock = threading.Lock()
