@@ -89,6 +89,25 @@ def main(argv: list[str] | None = None) -> None:
         "JAX_SD_ALLOWED_HOSTS). On a loopback --host, a request naming another host is refused (DNS rebinding); on "
         "0.0.0.0 nothing is checked unless names are given",
     )
+    parser.add_argument(
+        "--max-caller-requests",
+        type=int,
+        default=web.DEFAULT_MAX_REQUESTS,
+        help="requests one caller (a login or API key, else a page session or an address) may have waiting or "
+        "drawing at once, page and APIs together; more are refused at once (429)",
+    )
+    parser.add_argument(
+        "--max-caller-work",
+        type=int,
+        default=web.DEFAULT_MAX_WORK,
+        help="images x steps one caller may have waiting or drawing at once; more are refused at once (429)",
+    )
+    parser.add_argument(
+        "--forwarded-allow-ips",
+        default=os.environ.get("FORWARDED_ALLOW_IPS") or None,
+        help="addresses or networks of proxies whose X-Forwarded-For names the client, comma-separated, or * (env "
+        "FORWARDED_ALLOW_IPS, as uvicorn's); from anyone else the header is ignored",
+    )
     parser.add_argument("--mcp", action="store_true", help="also serve /generate as an MCP tool (Gradio's MCP server)")
     parser.add_argument(
         "--no-safety-checker",
@@ -168,10 +187,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-body-mb must be above 0")
     if args.max_picture_pixels is not None and args.max_picture_pixels <= 0:
         parser.error("--max-picture-pixels must be above 0")
+    if args.max_caller_requests < 1 or args.max_caller_work < 1:
+        parser.error("--max-caller-requests and --max-caller-work must be at least 1")
     try:
         auth = read_auth(args.auth)
         api_keys = web.read_api_keys(args.api_key)
         extra_hosts = web.read_allowed_hosts(args.allowed_hosts)
+        proxies = web.read_forwarded_allow_ips(args.forwarded_allow_ips)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     # Our own progress lines; other libraries only when something is wrong (no backend-probing chatter).
@@ -206,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         api_keys=api_keys,
         max_body_mb=args.max_body_mb,
         max_picture_pixels=args.max_picture_pixels,
+        max_caller_requests=args.max_caller_requests,
+        max_caller_work=args.max_caller_work,
+        forwarded_allow_ips=proxies,
         # A share link's tunnel reaches the server under the link's name: public already, so no names checked.
         allowed_hosts=None if args.share and not extra_hosts else web.allowed_hosts(args.host, extra_hosts),
     )

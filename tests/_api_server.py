@@ -34,7 +34,9 @@ class ServedApp:
     def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2, proxy_headers=False
+        )  # as web.serve: X-Forwarded-For is the app's to read
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -97,12 +99,12 @@ class FakeEngine:
     def canny_image(self, image):
         return image
 
-    def submit(self, request):
+    def submit(self, request, caller=""):
         request = self.limits.resolve(request, self.defaults)
         if isinstance(self.error, engine.InvalidRequest | engine.Busy):
             raise self.error
         self.calls.append(request)
-        ticket = HeldTicket(request, [])
+        ticket = HeldTicket(request, [], caller)
         self.tickets.append(ticket)
         steps = request.num_inference_steps
         ticket.emit(engine.Queued(1))

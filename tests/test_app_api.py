@@ -58,7 +58,7 @@ class FakeEngine:
         self.error = error
         self.calls: list[engine.GenerationRequest] = []
 
-    def submit(self, request):
+    def submit(self, request, caller=""):
         request = self.limits.resolve(request, self.defaults)
         self.calls.append(request)
         ticket = engine.Ticket(request, ["prompt: 100 tokens, encoded in 2 chunks of 75"])

@@ -105,7 +105,7 @@ def test_a_failure_says_internal_error_and_an_id_that_the_log_holds_with_the_det
 
 def test_an_unexpected_crash_in_an_api_is_an_internal_error_in_its_shape(caplog):
     class Crashing(FakeEngine):
-        def submit(self, request):
+        def submit(self, request, caller=""):
             raise RuntimeError("segment at /opt/jax-sd/engine/x.py")
 
     with TestClient(fake_app(Crashing()), raise_server_exceptions=False) as client:

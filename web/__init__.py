@@ -9,13 +9,14 @@ the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, 
 in a1111_models.py) and OpenAI's Images API (openai_images.py), their foreign names mapped to ours in one place
 (names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
 body limits, error shapes; throttle.py: failed logins per address, the page's and the APIs'; hosts.py: the Host
-names it answers to). Code here imports the engine only through its public face, `import engine` /
+names it answers to; callers.py: who a caller is, X-Forwarded-For from trusted proxies, each caller's share). Code here imports the engine only through its public face, `import engine` /
 `from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures
 carry. Never the engine's internals, and never Ray: `python app.py` and the cluster's ingress serve the
 same `build_app`.
 """
 
 from .api_gate import DEFAULT_MAX_BODY_MB, read_api_keys, read_auth
+from .callers import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_WORK, read_forwarded_allow_ips
 from .hosts import allowed_hosts, read_allowed_hosts
 from .page import API_NAME, THEME, create_demo
 from .server import build_app, serve
@@ -23,6 +24,8 @@ from .server import build_app, serve
 __all__ = [
     "API_NAME",
     "DEFAULT_MAX_BODY_MB",
+    "DEFAULT_MAX_REQUESTS",
+    "DEFAULT_MAX_WORK",
     "THEME",
     "allowed_hosts",
     "build_app",
@@ -30,5 +33,6 @@ __all__ = [
     "read_allowed_hosts",
     "read_api_keys",
     "read_auth",
+    "read_forwarded_allow_ips",
     "serve",
 ]

@@ -4,7 +4,8 @@ package and the many tools that speak it. Read A1111's `modules/api/api.py` for 
 - `txt2img` / `img2img`: one engine request of `batch_size x n_iter` pictures (seeds seed, seed+1, ...); A1111's
   sampler and scheduler names, clip skip and `<lora:name:weight>` prompt tags are read in `names.py`. An
   interrupted request answers with no pictures and `"interrupted": true` in its info, as A1111 answers 200.
-- `progress` / `interrupt`: about the caller's own running API requests (`api_common.ApiJobs`), not the server's.
+- `progress` / `interrupt`: about the caller's own running API requests (`api_common.ApiJobs`), not the server's;
+  no preview when callers cannot be told apart (anonymous behind a proxy that is not trusted: callers.py).
 - `sd-models` / `options`: the one model the server was started with. Setting `sd_model_checkpoint` to it is
   accepted; to any other is refused (422): the server never switches models for a client. Other options are
   accepted and change nothing (the server's settings are not one client's to change; per-request
@@ -216,7 +217,8 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
 
     @router.get("/progress", response_model=ProgressResponse)
     async def progress(http: Request, skip_current_image: bool = False):
-        mine = jobs.of(caller_of(http))
+        caller = caller_of(http)
+        mine = jobs.of(caller)
         if not mine:
             return ProgressResponse()
         job = mine[0]
@@ -230,7 +232,8 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
             sampling_step=job.step,
             sampling_steps=total,
         )
-        image = None if skip_current_image else await asyncio.to_thread(preview_png, job)
+        shown = not skip_current_image and not caller.shared  # a shared caller's preview may be another's picture
+        image = await asyncio.to_thread(preview_png, job) if shown else None
         return ProgressResponse(
             progress=min(done, 1.0),
             eta_relative=max(elapsed / done - elapsed, 0.0),

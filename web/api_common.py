@@ -2,10 +2,10 @@
 out (PNG with A1111's "parameters" chunk), and the requests the APIs are running (`ApiJobs`).
 
 Each API request is submitted to the engine and awaited on the event loop (`Ticket.aevents`, never a blocked
-thread). The running ones are kept by caller, so that A1111's `/progress` and `/interrupt` answer about and stop
-the caller's own requests only. A caller is the credential's name (an `--auth` user, "key 2") and the client's
-address: behind one proxy (Open WebUI's or SillyTavern's server) its users share a caller, as they would share
-A1111's one global job. A request whose client hangs up is stopped too.
+thread). The running ones are kept by caller (callers.py: the credential, else the address), so that A1111's `/progress`
+and `/interrupt` answer about and stop the caller's own requests only; anonymous callers behind a proxy that is not
+trusted are one caller, and their progress shows no preview. Each caller's share of the engine is held by
+`CallerLimits`. A request whose client hangs up is stopped, waiting or drawing.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from PIL import Image
 import engine
 from engine.compat.pnginfo import GenerationParameters, save_png
 
+from .callers import Caller, CallerLimits
+from .callers import caller_of as _caller_of
 from .pictures import open_picture
 
 DISCONNECT_POLL_S = 0.5
@@ -96,17 +98,16 @@ def b64(data: bytes) -> str:
 # ---- the APIs' running requests -----------------------------------------------------------------------
 
 
-def caller_of(http: Request) -> str:
-    """Who is calling: the credential's name (set by `ApiGate`) and the client's address."""
-    name = http.scope.get("state", {}).get("api_caller") or "anyone"
-    return f"{name}@{http.client.host if http.client else 'unknown'}"
+def caller_of(http: Request) -> Caller:
+    """Who is calling: the credential's name (set by `ApiGate`), else the client's address."""
+    return _caller_of(http.scope)
 
 
 @dataclass(eq=False)
 class ApiJob:
     """One API request in the engine: its ticket and what its events said so far."""
 
-    caller: str
+    caller: Caller
     ticket: engine.Ticket
     started: float = field(default_factory=time.time)
     position: int | None = None  # in the engine's queue, while it waits
@@ -153,13 +154,15 @@ async def _stop_when_gone(http: Request, ticket: engine.Ticket) -> None:
 class ApiJobs:
     """The requests the APIs are running, by caller. Used on the event loop only."""
 
-    def __init__(self):
+    def __init__(self, limits: CallerLimits | None = None):
         self._running: list[ApiJob] = []
+        self.limits = limits or CallerLimits()  # each caller's share, at every door
 
     async def run(self, pipe: engine.EngineFace, request: engine.GenerationRequest, http: Request) -> ApiJob:
-        """Submits and awaits a request; raises `engine.InvalidRequest` or `engine.Busy` at once. The job
-        comes back with its `result`, or its `error`."""
-        job = ApiJob(caller_of(http), pipe.submit(request))
+        """Submits and awaits a request; raises `engine.InvalidRequest` or `engine.Busy` (`CallerBusy` beyond the
+        caller's share) at once. The job comes back with its `result`, or its `error`."""
+        caller = caller_of(http)
+        job = ApiJob(caller, self.limits.submit(pipe, request, caller))
         self._running.append(job)
         try:
             await job.wait(http)
@@ -167,10 +170,10 @@ class ApiJobs:
             self._running.remove(job)
         return job
 
-    def of(self, caller: str) -> list[ApiJob]:
-        return [job for job in self._running if job.caller == caller]
+    def of(self, caller: Caller) -> list[ApiJob]:
+        return [job for job in self._running if job.caller.name == caller.name]
 
-    def interrupt(self, caller: str) -> int:
+    def interrupt(self, caller: Caller) -> int:
         """Stops the caller's running requests; how many."""
         mine = self.of(caller)
         for job in mine:

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engine
 
+from .callers import CallerBusy
 from .throttle import REFUSED, LoginThrottle, address_of
 
 log = logging.getLogger("jax-sd")
@@ -109,7 +110,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 def install_error_handlers(app) -> None:
     """The APIs' refusals in their own shapes; the page's paths keep FastAPI's. A bad value
-    (`engine.InvalidRequest`) is A1111's 422 or OpenAI's 400; a full queue (`engine.Busy`) a 503 at once."""
+    (`engine.InvalidRequest`) is A1111's 422 or OpenAI's 400; a full queue (`engine.Busy`) a 503 at once, and a
+    caller over its share (`CallerBusy`) a 429 with Retry-After."""
     from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 
     async def on_http(request: Request, error: StarletteHTTPException):
@@ -150,6 +152,10 @@ def install_error_handlers(app) -> None:
         code = "server_busy" if door_of(request.url.path) == "openai" else "Busy"
         return error_response(request.url.path, 503, str(error), code=code, headers={"Retry-After": "2"})
 
+    async def on_caller_busy(request: Request, error: CallerBusy):
+        seconds = {"Retry-After": str(error.retry_after_s)}
+        return error_response(request.url.path, 429, str(error), code="rate_limit_exceeded", headers=seconds)
+
     async def on_crash(request: Request, error: Exception):
         if door_of(request.url.path) is None:
             raise error  # the page's: Gradio's and Starlette's own
@@ -160,6 +166,7 @@ def install_error_handlers(app) -> None:
     app.add_exception_handler(RequestValidationError, on_invalid)
     app.add_exception_handler(engine.InvalidRequest, on_invalid_request)
     app.add_exception_handler(engine.Busy, on_busy)
+    app.add_exception_handler(CallerBusy, on_caller_busy)
 
 
 # ---- who may call --------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from PIL import Image
 import engine
 from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info, save_png
 
+from .callers import Caller, CallerLimits
 from .pictures import ClientFiles, open_picture
 from .requests import as_bool, parse_request, size_choices
 
@@ -141,11 +142,15 @@ def _preview_gallery(event: engine.Preview, request: engine.GenerationRequest, s
     ]
 
 
-def submit(pipe: engine.EngineFace, raw: dict[str, Any]) -> tuple[engine.GenerationRequest, engine.Ticket]:
-    """Raw values (`parse_request`'s arguments) -> the request and its ticket.
-    Raises `engine.InvalidRequest` (a value) or `engine.Busy` (the waiting room is full)."""
+def submit(
+    pipe: engine.EngineFace, raw: dict[str, Any], limits: CallerLimits | None = None, caller: Caller | None = None
+) -> tuple[engine.GenerationRequest, engine.Ticket]:
+    """Raw values (`parse_request`'s arguments) -> the request and its ticket, submitted as `caller` within its
+    share (`limits`). Raises `engine.InvalidRequest` (a value) or `engine.Busy` (the waiting room is full, or
+    `CallerBusy`: the caller's share)."""
     request = parse_request(pipe, **raw)
-    return request, pipe.submit(request)
+    limits, caller = limits or CallerLimits(), caller or Caller("")
+    return request, limits.submit(pipe, request, caller)
 
 
 async def stream(

@@ -18,6 +18,7 @@ import engine
 
 from . import handlers
 from .api_gate import incident
+from .callers import Caller, CallerLimits, page_caller
 from .pictures import ClientFiles, default_max_pixels
 from .requests import default_strength, mode_choices, picture_fields, size_choices
 
@@ -61,12 +62,18 @@ def _skip(value: Any) -> Any:
 
 
 async def run_generation(
-    pipe: engine.EngineFace, raw: dict[str, Any], progress: Any, files: ClientFiles | None = None
+    pipe: engine.EngineFace,
+    raw: dict[str, Any],
+    progress: Any,
+    files: ClientFiles | None = None,
+    limits: CallerLimits | None = None,
+    caller: Caller | None = None,
 ) -> AsyncIterator[tuple]:
-    """Submits one request and yields (gallery, seed, details) as it goes: queue position, previews, pictures
-    (the files written are noted in `files`). Every refusal or failure is a `gr.Error` with the message the user sees."""
+    """Submits one request as `caller`, within its share (`limits`), and yields (gallery, seed, details) as it goes:
+    queue position, previews, pictures (the files written are noted in `files`). Every refusal or failure is a
+    `gr.Error` with the message the user sees."""
     try:
-        request, ticket = handlers.submit(pipe, raw)
+        request, ticket = handlers.submit(pipe, raw, limits, caller)
     except engine.InvalidRequest as e:  # a value the page or the engine refuses
         raise refuse(str(e)) from None
     except engine.Busy as e:
@@ -173,11 +180,14 @@ def create_demo(
     images_per_device: int = 1,
     concurrency: int | None = None,
     files: ClientFiles | None = None,
+    callers: CallerLimits | None = None,
 ) -> gr.Blocks:
     """The page. `concurrency`: requests handed to the engine at once (default: twice its slots); `files`: the
     paths a client may name and the pixel limit of its pictures (default: Gradio's upload folder, and
-    `pictures.default_max_pixels`)."""
+    `pictures.default_max_pixels`); `callers`: each caller's share of the engine, shared with the APIs
+    (callers.py; default: its own)."""
     defaults, limits = pipe.defaults, pipe.limits
+    callers = callers or CallerLimits()
     files = files or ClientFiles(default_max_pixels(limits))
     results = handlers.LastResults()  # each tab's last pictures, which its history entry is made from
     sizes = size_choices(pipe)
@@ -261,7 +271,7 @@ def create_demo(
             "token_merging": token_merging,
         }
         last = None
-        async for update in run_generation(pipe, raw, progress, files):
+        async for update in run_generation(pipe, raw, progress, files, callers, page_caller(request)):
             last = update
             yield update
         if last is not None and isinstance(last[0], list) and last[0]:  # the finished pictures: the last update
@@ -452,7 +462,8 @@ def create_demo(
             values = (text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, merging)
             raw = handlers.live_values(*values)
             try:
-                async for gallery_update, used_seed, details in run_generation(pipe, raw, None):
+                live = run_generation(pipe, raw, None, limits=callers, caller=page_caller(request))
+                async for gallery_update, used_seed, details in live:
                     yield gallery_update, used_seed, f"Live: “{text}” · {details}"
             except gr.Error as e:
                 yield gr.skip(), gr.skip(), f"Live: {e.message}"

@@ -20,6 +20,7 @@ import engine
 from .a1111 import a1111_router
 from .api_common import ApiJobs
 from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_handlers
+from .callers import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_WORK, CallerLimits, ForwardedFor
 from .hosts import HostCheck
 from .openai_images import openai_router
 from .page import THEME, create_demo
@@ -56,6 +57,9 @@ def build_app(
     login_throttle: LoginThrottle | None = None,
     allowed_hosts: frozenset[str] | None = None,
     picture_ttl_s: float = PICTURE_TTL_S,
+    max_caller_requests: int = DEFAULT_MAX_REQUESTS,
+    max_caller_work: int = DEFAULT_MAX_WORK,
+    forwarded_allow_ips: tuple[str, ...] = (),
 ) -> FastAPI:
     """The web app over `engine`: the page at "/" (its API `/generate` for gradio_client, `/gradio_api/...`).
 
@@ -75,18 +79,24 @@ def build_app(
     upload folder or is a picture this server wrote (pictures.py). Failed logins (the page's form, a wrong API
     credential) are slowed, then refused for a while, per address (`login_throttle`, default: throttle.py's).
     `allowed_hosts`: the Host names it answers to, others get 400 (hosts.py: `allowed_hosts`); None: any.
-    `picture_ttl_s`: the pictures the page drew are deleted after this long, and Gradio's copies of them."""
+    `picture_ttl_s`: the pictures the page drew are deleted after this long, and Gradio's copies of them.
+    `max_caller_requests` / `max_caller_work`: each caller's requests and images x steps in the engine at once, at
+    every door together (callers.py); beyond them 429 at once. `forwarded_allow_ips`: the proxies whose
+    X-Forwarded-For names the client (callers.py: `ForwardedFor`); from anyone else it is ignored."""
     app = FastAPI(title="jax-sd", docs_url=None, redoc_url=None)  # as Gradio's own app: no /docs pages (yet)
     max_pixels = max_picture_pixels or default_max_pixels(engine.limits)
     files = ClientFiles(max_pixels, ttl_s=picture_ttl_s)
-    demo = create_demo(engine, images_per_device=images_per_device, concurrency=concurrency, files=files)
+    callers = CallerLimits(max_caller_requests, max_caller_work)  # each caller's share, page and APIs together
+    demo = create_demo(
+        engine, images_per_device=images_per_device, concurrency=concurrency, files=files, callers=callers
+    )
     demo.queue(max_size=queue_size)
     app.state.demo = demo
     app.state.files = files  # the paths clients may name, and the pictures written here
 
     # Routers (REST APIs) go here, before the page: the page is mounted at "/", and a mount at "/" answers
     # every path that no route before it took.
-    jobs = ApiJobs()  # the APIs' running requests, for A1111's /progress and /interrupt
+    jobs = ApiJobs(callers)  # the APIs' running requests, for A1111's /progress and /interrupt
     app.state.api_jobs = jobs
     app.include_router(a1111_router(engine, jobs, max_pixels=max_pixels))
     app.include_router(openai_router(engine, jobs, max_pixels=max_pixels))
@@ -98,6 +108,7 @@ def build_app(
     app.add_middleware(LoginGuard, throttle=throttle)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))  # the last added runs first
+    app.add_middleware(ForwardedFor, allowed=tuple(forwarded_allow_ips))  # first: every door sees the client
 
     app = gr.mount_gradio_app(
         app,
@@ -153,6 +164,7 @@ def serve(app: FastAPI, *, server_name: str = "127.0.0.1", server_port: int = 78
         host=server_name,
         port=server_port,
         log_level="warning",  # as Gradio's own server: no line per request
+        proxy_headers=False,  # X-Forwarded-For is the app's to read, from --forwarded-allow-ips only (ForwardedFor)
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     try:
