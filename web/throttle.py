@@ -7,8 +7,9 @@ longer (doubling, up to `max_delay_s`), and at `max_failures` the address is ref
 wrong, for `lockout_s` (so a guess cannot be confirmed while it is refused). A success forgets the address.
 At most `capacity` addresses are remembered, the longest quiet forgotten first, so memory stays bounded.
 
-The address is the connection's (uvicorn's, which reads X-Forwarded-For only from its --forwarded-allow-ips):
-behind a proxy every caller shares the proxy's, and one caller's failures lock the others' logins too.
+The address is the connection's (callers.py's `ForwardedFor` reads X-Forwarded-For only from the proxies of
+--forwarded-allow-ips): behind any other proxy every caller shares the proxy's, and one caller's failures lock
+the others' logins too.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every image of every request is a slot. A batch advances all its occupied slots 
 with one program; between chunks, finished images are decoded and handed back, new requests of the
 same plan take the free slots at once (they never wait for another request's whole run), and a
 stopped or failed request's slots are cleared. Waiting requests take slots in their callers' turns
-(`in_turns`): a newcomer's first request goes ahead of a flooder's next one, not behind all of them. Plans (shapes) take turns chunk by chunk, and at most
-`max_live_plans` batches exist at once; a request whose plan has no batch and cannot get one blocks
-the queue behind it, so the batches ahead drain and no shape starves. Programs are compiled on threads
+(`in_turns`): a newcomer's first request goes ahead of a flooder's next one, not behind all of them.
+Plans (shapes) take turns chunk by chunk, and at most `max_live_plans` batches exist at once; a request
+whose plan has no batch and cannot get one blocks the queue behind it, so the batches ahead drain and no
+shape starves. Programs are compiled on threads
 of their own (`Programs`); a request waits for its plan's compile without holding up anyone else's chunks.
 
 Faults stay where they start: NaN or inf in a slot fails only that request; an exception in a batch's
