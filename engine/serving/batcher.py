@@ -7,8 +7,8 @@ stopped or failed request's slots are cleared. Waiting requests take slots in th
 (`in_turns`): a newcomer's first request goes ahead of a flooder's next one, not behind all of them.
 Plans (shapes) take turns chunk by chunk, and at most `max_live_plans` batches exist at once; a request
 whose plan has no batch and cannot get one blocks the queue behind it, so the batches ahead drain and no
-shape starves. Programs are compiled on threads
-of their own (`Programs`); a request waits for its plan's compile without holding up anyone else's chunks.
+shape starves. Programs are compiled on threads of their own (`Programs`); a request waits for its plan's
+compile without holding up anyone else's chunks.
 
 Faults stay where they start: NaN or inf in a slot fails only that request; an exception in a batch's
 program fails that batch's requests, and the next batch is served.
