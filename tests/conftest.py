@@ -22,12 +22,17 @@ if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 # One compile cache for the session (JAX_SD_CACHE_DIR, which `enable_compile_cache` reads): the in-process engines,
 # the app servers and the cluster's replicas the tests start load what another of them compiled. Never the user's own.
-SESSION_CACHE = tempfile.mkdtemp(prefix="jax-sd-test-xla-")
+# The first process of a run makes it; xdist's workers, started from that process, inherit it.
+SESSION_CACHE = os.environ.get("JAX_SD_TEST_SESSION_CACHE")
+OWNS_SESSION_CACHE = SESSION_CACHE is None
+if OWNS_SESSION_CACHE:
+    SESSION_CACHE = os.environ["JAX_SD_TEST_SESSION_CACHE"] = tempfile.mkdtemp(prefix="jax-sd-test-xla-")
 os.environ["JAX_SD_CACHE_DIR"] = SESSION_CACHE
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+    if OWNS_SESSION_CACHE:
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
