@@ -298,7 +298,9 @@ def test_emphasis_keeps_the_mean_and_weighs_tokens(sd1):
     z = jax.jit(lambda m, i: m.text_encoder(i).last_hidden_state)(models, plain.ids)[None]  # [1, 1, 77, 32]
     got = np.asarray(apply_emphasis(z, weighed.weights[None]))[0]
     z = np.asarray(z)[0, 0]
-    assert got.mean() == pytest.approx(z.mean(), rel=1e-5)
+    # The mean lies near zero (4e-4 against values near 1): it is kept to f32's rounding of the values it averages,
+    # not to a share of itself, which the order of the sums alone moves by 1e-5.
+    assert abs(got.mean() - z.mean()) <= 4 * np.finfo(np.float32).eps * np.abs(z).mean()
     ratio = got / z
     np.testing.assert_allclose(ratio[2] / ratio[1], 1.5, rtol=1e-5)  # "red" against "a"
     np.testing.assert_allclose(
