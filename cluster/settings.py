@@ -3,7 +3,8 @@ it serves.
 
 The Serve config's `args` (serve_config.yaml) fill it; where replicas run and how many there are is Ray
 Serve's own part of that config (`deployments:`), not ours. The page's doors (`auth`, `api_keys`,
-`max_body_mb`, `max_picture_pixels`, `mcp`, `allowed_hosts`) mean what app.py's flags of those names mean, and reach the same
+`max_body_mb`, `max_picture_pixels`, `mcp`, `allowed_hosts`) and each caller's share (`max_caller_requests`,
+`max_caller_work`, `forwarded_allow_ips`) mean what app.py's flags of those names mean, and reach the same
 `web.build_app` (`web_options`).
 """
 
@@ -41,6 +42,13 @@ class ClusterSettings:
     # The Host names the page answers to besides loopback's, as --allowed-hosts; () checks none: the page cannot
     # tell where Serve's proxy listens (http_options.host).
     allowed_hosts: tuple[str, ...] = ()
+    # Each caller's share of the replicas, page, APIs and MCP together, as --max-caller-requests and
+    # --max-caller-work (web's defaults): requests, and images x steps, waiting or drawing at once; beyond them 429.
+    max_caller_requests: int = 8
+    max_caller_work: int = 2400
+    # The proxies whose X-Forwarded-For names the client, as --forwarded-allow-ips (addresses, networks or "*");
+    # () trusts none: every anonymous caller behind a proxy is then the proxy's one caller.
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self):
         number = int | float
@@ -51,6 +59,10 @@ class ClusterSettings:
             raise ValueError(f"max_picture_pixels must be a whole number above 0, or null, not {pixels!r}")
         if not isinstance(self.mcp, bool):
             raise ValueError(f"mcp must be true or false, not {self.mcp!r}")
+        for name in ("max_caller_requests", "max_caller_work"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
 
     @classmethod
     def from_args(cls, args: dict | None) -> ClusterSettings:
@@ -76,6 +88,8 @@ class ClusterSettings:
             args["allowed_hosts"] = _read_allowed_hosts(args["allowed_hosts"])
         if "api_keys" in args:
             args["api_keys"] = _credentials(args["api_keys"], "api_keys", _read_api_keys)
+        if "forwarded_allow_ips" in args:
+            args["forwarded_allow_ips"] = _read_forwarded_allow_ips(args["forwarded_allow_ips"])
         return cls(**args)
 
     def web_options(self) -> dict:
@@ -92,6 +106,9 @@ class ClusterSettings:
             max_picture_pixels=self.max_picture_pixels,
             mcp=self.mcp,
             allowed_hosts=allowed_hosts("0.0.0.0", self.allowed_hosts),
+            max_caller_requests=self.max_caller_requests,
+            max_caller_work=self.max_caller_work,
+            forwarded_allow_ips=self.forwarded_allow_ips,
         )
 
     def engine_sizes(self) -> str | list[tuple[int, int]]:
@@ -131,3 +148,16 @@ def _read_allowed_hosts(value) -> tuple[str, ...]:
     from web import read_allowed_hosts
 
     return read_allowed_hosts(value)
+
+
+def _read_forwarded_allow_ips(value) -> tuple[str, ...]:
+    """null, the flag's string ("10.0.0.0/8,192.0.2.7", "*"), or a list of such strings; each read by the flag's
+    reader, which refuses what is not an address or a network."""
+    from web import read_forwarded_allow_ips
+
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(item, str) for item in items):
+        raise ValueError("forwarded_allow_ips must be a string or a list of strings, as app.py's flag takes")
+    return tuple(dict.fromkeys(ip for item in items for ip in read_forwarded_allow_ips(item)))

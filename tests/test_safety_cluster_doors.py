@@ -1,12 +1,16 @@
 """The cluster's page has the doors of `python app.py`: its settings take `auth`, `api_keys`, `max_body_mb`,
 `max_picture_pixels` and `mcp` with the flags' meanings, refuse what the flags refuse, and reach the same
-`web.build_app`, so that the page, both REST APIs and MCP are closed alike.
+`web.build_app`, so that the page, both REST APIs and MCP are closed alike. Each caller's share is the single
+machine's too: `max_caller_requests`, `max_caller_work` and the proxies `forwarded_allow_ips` names.
 
 The page's app is built as the ingress builds it (`cluster.ingress.page_app`), over the stand-in engine and
 in-process: no Ray is started here.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -72,12 +76,49 @@ def test_the_body_limit_and_picture_cap_default_to_the_single_machines():
         ({"max_body_mb": "ten"}, "max_body_mb must be a number above 0"),
         ({"max_picture_pixels": -1}, "max_picture_pixels must be a whole number above 0"),
         ({"mcp": "yes"}, "mcp must be true or false"),
+        ({"max_caller_requests": 0}, "max_caller_requests must be a whole number of at least 1"),
+        ({"max_caller_requests": "8"}, "max_caller_requests must be a whole number of at least 1"),
+        ({"max_caller_work": 2.5}, "max_caller_work must be a whole number of at least 1"),
+        ({"max_caller_work": True}, "max_caller_work must be a whole number of at least 1"),
+        ({"forwarded_allow_ips": "10.0.0.1,proxy.example"}, "'proxy.example' is not an address or a network"),
+        ({"forwarded_allow_ips": ["10.0.0.1", 10]}, "forwarded_allow_ips must be a string or a list of strings"),
+        ({"forwarded_allow_ips": {"proxy": "10.0.0.1"}}, "forwarded_allow_ips must be a string or a list of strings"),
         ({"api_key": KEY}, "unknown settings \\['api_key'\\]"),
     ],
 )
 def test_a_bad_door_setting_is_refused_with_what_is_wrong(args, message):
     with pytest.raises(ValueError, match=message):
         ClusterSettings.from_args(args)
+
+
+def test_each_callers_share_defaults_to_the_single_machines_and_trusts_no_proxy():
+    settings = ClusterSettings()
+    assert (settings.max_caller_requests, settings.max_caller_work) == (web.DEFAULT_MAX_REQUESTS, web.DEFAULT_MAX_WORK)
+    assert (
+        settings.forwarded_allow_ips
+        == ()
+        == ClusterSettings.from_args({"forwarded_allow_ips": None}).forwarded_allow_ips
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "proxies"),
+    [
+        ("10.0.0.0/8", ("10.0.0.0/8",)),
+        ("10.0.0.0/8, 192.0.2.7", ("10.0.0.0/8", "192.0.2.7")),  # as --forwarded-allow-ips takes them
+        (["10.0.0.0/8", "192.0.2.7,2001:db8::1"], ("10.0.0.0/8", "192.0.2.7", "2001:db8::1")),
+        ("*", ("*",)),
+        ([], ()),
+    ],
+)
+def test_the_trusted_proxies_are_read_as_the_flag_reads_them(value, proxies):
+    assert ClusterSettings.from_args({"forwarded_allow_ips": value}).forwarded_allow_ips == proxies
+
+
+def test_the_callers_share_reaches_the_page():
+    settings = ClusterSettings.from_args({"max_caller_requests": 3, "max_caller_work": 500})
+    limits = page_app(FakeEngine(), settings).state.api_jobs.limits
+    assert (limits.max_requests, limits.max_work) == (3, 500)
 
 
 # ---- the page the ingress builds -------------------------------------------------------------------------------
@@ -131,3 +172,60 @@ def test_the_cluster_pages_body_limit_is_its_setting(closed):
     answer = closed.post("/sdapi/v1/img2img", json=big, auth=USER)
     assert answer.status_code == 413 and "1 MB" in answer.json()["detail"]
     assert closed.app.state.demo.max_file_size == 2**20  # the page's uploads, as on the single machine
+
+
+# ---- behind a proxy -----------------------------------------------------------------------------------------
+
+PROXY = "10.0.0.5"  # the operator's, inside the network the settings name
+STRANGER = "198.51.100.1"  # anyone else, claiming to forward for someone
+WAIT_S = 20
+
+
+@pytest.fixture
+def proxied():
+    pipe = FakeEngine()
+    settings = ClusterSettings.from_args({"forwarded_allow_ips": "10.0.0.0/8", "max_caller_requests": 1})
+    with TestClient(page_app(pipe, settings)) as client:
+        yield pipe, client
+
+
+def from_address(client: TestClient, address: str) -> TestClient:
+    return TestClient(client.app, client=(address, 50000))
+
+
+def test_a_cluster_page_reads_x_forwarded_for_from_its_proxy_only(proxied):
+    pipe, client = proxied
+    for address, caller in ((PROXY, "address 203.0.113.7"), (STRANGER, f"address {STRANGER}")):
+        answer = from_address(client, address).post(
+            "/sdapi/v1/txt2img", json=BODY, headers={"X-Forwarded-For": "203.0.113.7"}
+        )
+        assert answer.status_code == 200 and pipe.tickets[-1].caller == caller
+
+
+def test_behind_its_proxy_a_cluster_page_holds_each_client_to_its_share(proxied):
+    pipe, client = proxied
+    pipe.hold = True
+    post = from_address(client, PROXY).post
+    ann, bob = ({"X-Forwarded-For": address} for address in ("203.0.113.7", "203.0.113.8"))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        try:
+            waiting = pool.submit(post, "/sdapi/v1/txt2img", json=BODY, headers=ann)
+            wait_for(lambda: len(pipe.tickets) == 1)
+            refused = pool.submit(post, "/sdapi/v1/txt2img", json=BODY, headers=ann).result(WAIT_S)
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) > 0
+            assert "busy with your requests" in refused.json()["detail"]
+            other = pool.submit(post, "/sdapi/v1/txt2img", json=BODY, headers=bob)  # another client: its own share
+            wait_for(lambda: len(pipe.tickets) == 2)
+            assert [ticket.caller for ticket in pipe.tickets] == ["address 203.0.113.7", "address 203.0.113.8"]
+        finally:  # nothing left held, whatever failed: the pool's threads end
+            pipe.hold = False
+            for ticket in pipe.tickets:
+                ticket.cancel()
+        assert waiting.result(WAIT_S).status_code == other.result(WAIT_S).status_code == 200  # A1111's "interrupted"
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s"
+        time.sleep(0.02)
