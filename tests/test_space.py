@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -82,15 +84,14 @@ def test_a_page_behind_a_login_refuses_strangers_and_serves_users_and_mcp(tmp_pa
         client = Client(server.url, auth=("ann", "secret"), verbose=False, download_files=str(tmp_path / "dl"))
         gallery, seed, _ = client.predict(prompt="a red circle", seed=3, random_seed=False, api_name="/generate")
         assert seed == 3 and gallery[0]["caption"].endswith("seed 3")
-        # The MCP server lists the generate tool, its parameters described from the handler's docstring.
-        opener = urllib.request.build_opener()
-        cookie = client.cookies if hasattr(client, "cookies") else {}
-        headers = {"Cookie": "; ".join(f"{k}={v}" for k, v in cookie.items())} if cookie else {}
-        schema = json.loads(
-            opener.open(
-                urllib.request.Request(server.url + "gradio_api/mcp/schema", headers=headers), timeout=30
-            ).read()
-        )
+        # The MCP server lists the generate tool to a user who sends the login as HTTP Basic, as MCP clients do, and
+        # to nobody else; its parameters are described from the handler's docstring.
+        schema_url = server.url + "gradio_api/mcp/schema"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(schema_url, timeout=30)
+        login = "Basic " + base64.b64encode(b"ann:secret").decode()
+        request = urllib.request.Request(schema_url, headers={"Authorization": login})
+        schema = json.loads(urllib.request.urlopen(request, timeout=30).read())
         tools = {tool["name"]: tool for tool in schema}
         tool = next(tool for name, tool in tools.items() if name.endswith("generate"))
         assert "Stable Diffusion" in tool["description"]
