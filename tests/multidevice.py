@@ -15,8 +15,9 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.sampling.pairs import DEVICE_COUNT_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def xla_flags(devices: int | None = None) -> str:
