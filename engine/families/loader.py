@@ -32,6 +32,7 @@ from ..models.config import AutoencoderTinyConfig, VAEConfig
 from ..schedulers import SCHEDULERS, SchedulerConfig
 from . import FAMILIES, PIPELINE_FAMILIES, family_of, find
 from .base import Family, Models, Variant, no_extra_inputs
+from .single_file import is_single_file, open_single_file
 
 
 @dataclass
@@ -53,6 +54,8 @@ class LoadedModel:
     extra_inputs: Callable[[Any, str, str | None], dict] = no_extra_inputs
     controlnet: str | None = None  # the ControlNet's source, when one is attached (`controlnet.attach_controlnet`)
     vae: str = OWN_VAE  # which VAE draws: the folder's own, or the source given (`loading.vae.attach_vae`)
+    # A single file's configs, tokenizers and scheduler (`single_file.open_single_file`); None for a folder
+    config_folder: ModelFolder | None = None
 
     @property
     def vae_scale_factor(self) -> int:
@@ -132,14 +135,33 @@ def folder_family(folder: ModelFolder) -> Family:
 T5_PLACES = ("device", "host", "off")
 
 
-def load_model_folder(source: str | Path | None, dtype: str, t5: str = "device") -> LoadedModel:
+def load_model_folder(
+    source: str | Path | None,
+    dtype: str,
+    t5: str = "device",
+    config: str | Path | None = None,
+    prediction_type: str | None = None,
+    safety_checker: bool = False,
+) -> LoadedModel:
     """`t5`: where a family's T5 encoder runs (`Family.t5_encoder`): "device" with the other networks, "host" on the
     CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
-    it, as diffusers without it). Families without T5 ignore it."""
+    it, as diffusers without it). Families without T5 ignore it.
+
+    A single-file checkpoint (`single_file.open_single_file`) takes its configs from `config` (a diffusers folder or
+    Hub id) or the Hub repo of its kind, its prediction type from `prediction_type` or a `.yaml` beside it;
+    `safety_checker` has a Hub download of its configs include the repo's safety checker."""
     if t5 not in T5_PLACES:
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
-    folder = resolve(source, weights_variant)
+    single = None
+    if is_single_file(source):
+        single = open_single_file(source, config, prediction_type, safety_checker)
+    elif config is not None or prediction_type is not None:
+        raise ConfigError(
+            f"{source}: config= and prediction_type= are for a single-file checkpoint (.safetensors, .ckpt), "
+            "and this is not one"
+        )
+    folder = single.folder if single is not None else resolve(source, weights_variant)
     family = folder_family(folder)
     if t5 == "off" and family.t5_encoder is not None and family.t5_encoder not in family.optional:
         raise ConfigError(f"{folder.name}: this model needs its T5 encoder; keep it on the device or the host")
@@ -153,10 +175,15 @@ def load_model_folder(source: str | Path | None, dtype: str, t5: str = "device")
     variant = find(family.name, denoiser_cfg.in_channels, where=folder.name)
     family.check_layout(configs, folder.name)
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
-    tensors = {}
-    for name in configs:
-        for key, value in rename_legacy(read_safetensors(folder.weight_files(name, weights_variant))).items():
-            tensors[f"{name}.{key}"] = value
+    if single is not None:
+        sched_cfg = single.scheduler(sched_cfg)
+    if single is not None:  # renamed from the original layout to diffusers'
+        by_component = single.component_tensors(configs)
+    else:
+        by_component = {name: read_safetensors(folder.weight_files(name, weights_variant)) for name in configs}
+    tensors = {
+        f"{name}.{key}": value for name in configs for key, value in rename_legacy(by_component.get(name, {})).items()
+    }
 
     host = None
     if t5 == "host" and family.t5_encoder in configs:
@@ -188,4 +215,5 @@ def load_model_folder(source: str | Path | None, dtype: str, t5: str = "device")
         if family.clip_skip
         else 0,
         extra_inputs=family.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
+        config_folder=folder if single is not None else None,
     )

@@ -94,9 +94,16 @@ def load_pipeline(
     vae: str | os.PathLike | None = None,
     t5: str = "device",
     quantize: str | None = None,
+    config: str | os.PathLike | None = None,
+    prediction_type: str | None = None,
     **serving,
 ) -> Engine:
-    """Loads a diffusers-format model (None: the embedded default; a folder; or a Hub id).
+    """Loads a model: None (the embedded default), a diffusers-format folder or Hub id, or a single-file checkpoint
+    in the original layout (`FILE.safetensors`, or `.ckpt` read without running its pickle: SD 1.x, 2.x, SDXL and
+    their inpainting UNets). A single file's configs, tokenizers and scheduler come from `config` (a diffusers folder
+    or Hub id of the same kind, as diffusers' `from_single_file(config=)`), else from the Hub repo diffusers uses for
+    its kind; `prediction_type` ("epsilon" or "v_prediction") overrides that scheduler's, as does a `.yaml` beside
+    the file that says `parameterization: "v"` (SD 2.x 768-v files).
 
     `safety_checker`: run the folder's own safety checker on every picture, when it ships one (SD 1.x
     repositories do); False turns it off, for local use. `serving`: the Engine's options (max_batch_size,
@@ -122,7 +129,9 @@ def load_pipeline(
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)} (or None: the host's best)")
-    model = load_model_folder(source, dtype, t5=t5)
+    model = load_model_folder(
+        source, dtype, t5=t5, config=config, prediction_type=prediction_type, safety_checker=safety_checker
+    )
     adapters = FAMILIES[model.family].adapters
     for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
         if given and what not in adapters:
@@ -138,7 +147,7 @@ def load_pipeline(
     if safety_checker:
         from ..loading.safety import load_safety_checker
 
-        checker = load_safety_checker(source, dtype)
+        checker = load_safety_checker(model.config_folder or source, dtype)
     engine = Engine(
         model, devices=devices, images_per_device=images_per_device, safety=checker, loras=factors, **serving
     )
