@@ -6,6 +6,7 @@ and the field test reads them to find a new field at every door."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -27,7 +28,10 @@ def generate_parameters(demo, api_name: str = "generate") -> list[dict[str, Any]
     """`/generate`'s parameters as gradio_client sees them: name, default, type, description."""
     api = demo.get_api_info()["named_endpoints"]["/" + api_name]["parameters"]
     keys = ("parameter_name", "parameter_has_default", "parameter_default", "type", "python_type", "label")
-    return [json.loads(json.dumps({k: p.get(k) for k in keys}, default=str)) for p in api]
+    shown = [json.loads(json.dumps({k: p.get(k) for k in keys}, default=str)) for p in api]
+    for p in shown:  # a control without a label is named by its id, which counts the components made before it
+        p["label"] = re.sub(r"^parameter_\d+$", "parameter_N", str(p["label"]))
+    return shown
 
 
 def doors(site) -> dict[str, Any]:

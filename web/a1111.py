@@ -25,6 +25,7 @@ from fastapi import APIRouter, Body, Request
 from PIL import Image, ImageOps
 
 import engine
+from engine import request_fields
 from engine.compat.pnginfo import GenerationParameters, format_parameters
 
 from . import names
@@ -40,11 +41,12 @@ from .a1111_models import (
     ScriptsList,
     SDModelItem,
     Txt2ImgRequest,
+    body_models,
 )
 from .api_common import ApiJob, ApiJobs, b64, caller_of, decode_base64, opaque, preview_png, read_picture, result_pngs
 from .api_gate import internal_error
 from .pictures import default_max_pixels
-from .requests import api_request
+from .requests import api_request, read_value
 
 
 def _refuse(message: str) -> engine.InvalidRequest:
@@ -91,11 +93,32 @@ def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
     if len(body.init_images) > 1:
         raise _refuse("img2img draws from one init image per request here; send each picture in its own request")
     image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", max_pixels)
-    fields: dict[str, Any] = {"image": opaque(image), "strength": body.denoising_strength}
+    fields: dict[str, Any] = {"image": opaque(image)}
     if body.mask:
         mask = read_picture(decode_base64(body.mask, "mask"), "mask", max_pixels)
         fields["mask_image"] = _binary_mask(mask, bool(body.inpainting_mask_invert))
     return fields
+
+
+# The request fields A1111's door reads its own way: the prompt (its `<lora:...>` tags), the sampler's and schedule's
+# names, the number of pictures (batch_size x n_iter), the pictures.
+OWN_FIELDS = ("prompt", "scheduler", "num_images", "lora_scales", "image", "mask_image")
+
+
+def body_values(body: Txt2ImgRequest) -> dict[str, Any]:
+    """The request fields under their A1111 names in the body, or its `override_settings` (which win), as ours."""
+    settings = body.override_settings or {}
+    values = {}
+    for f in request_fields.current():
+        if f.name in OWN_FIELDS:
+            continue
+        value = settings.get(f.a1111_setting) if f.a1111_setting in settings else getattr(body, f.a1111 or "", None)
+        if value is None or value == "":
+            continue
+        if f.from_a1111 is not None:
+            value = f.from_a1111(read_value(f, value, f.a1111_setting or f.a1111))
+        values[f.name] = value
+    return values
 
 
 def build_request(
@@ -106,20 +129,12 @@ def build_request(
     if body.batch_size < 1 or body.n_iter < 1:
         raise _refuse(f"batch_size and n_iter must be at least 1, got {body.batch_size} and {body.n_iter}")
     prompt, loras = names.take_loras(body.prompt)
-    clip = settings.get("CLIP_stop_at_last_layers", body.clip_skip)
     return api_request(
         prompt,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        steps=body.steps,
-        guidance_scale=body.cfg_scale,
         scheduler=names.a1111_scheduler(pipe, body.sampler_name or body.sampler_index, body.scheduler),
-        width=body.width,
-        height=body.height,
         num_images=body.batch_size * body.n_iter,
-        clip_skip=names.a1111_clip_skip(clip),
         lora_scales=loras,
-        token_merging=settings.get("token_merging_ratio"),
+        **body_values(body),
         **(pictures or {}),
     )
 
@@ -205,15 +220,18 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
     """The routes; `max_pixels`: a picture sent in over this many pixels is refused from its header."""
     router = APIRouter(prefix="/sdapi/v1", tags=["AUTOMATIC1111"])
     max_pixels = max_pixels or default_max_pixels(pipe.limits)
+    txt2img_body, img2img_body = body_models()  # the request fields as they stand when the server is built
 
-    @router.post("/txt2img", response_model=ImagesResponse)
-    async def txt2img(body: Txt2ImgRequest, http: Request):
+    async def txt2img(body, http: Request):
         return await generate(pipe, jobs, body, build_request(pipe, body), http)
 
-    @router.post("/img2img", response_model=ImagesResponse)
-    async def img2img(body: Img2ImgRequest, http: Request):
+    async def img2img(body, http: Request):
         pictures = await asyncio.to_thread(_pictures, body, max_pixels)
         return await generate(pipe, jobs, body, build_request(pipe, body, pictures), http)
+
+    for path, route, model in (("/txt2img", txt2img, txt2img_body), ("/img2img", img2img, img2img_body)):
+        route.__annotations__ = {"body": model, "http": Request}  # FastAPI reads the body's model from here
+        router.add_api_route(path, route, methods=["POST"], response_model=ImagesResponse)
 
     @router.get("/progress", response_model=ProgressResponse)
     async def progress(http: Request, skip_current_image: bool = False):

@@ -26,15 +26,13 @@ from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info,
 
 from .callers import Caller, CallerLimits
 from .pictures import ClientFiles, open_picture
-from .requests import as_bool, parse_request, size_choices
+from .requests import as_bool, form_fields, page_fields, parse_request, size_choices
 
 log = logging.getLogger("jax-sd")
 
-# The form's fields, in the order the page lists them: history entries, live drawings and PNG info use them.
-FORM_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "scheduler", "size", "images_per_device")
-FORM_FIELDS += ("deep_cache", "token_merging")
-# What a history entry saved before a field existed restores for it.
-FORM_DEFAULTS = {"deep_cache": 0, "token_merging": 0.0}
+# The form's fields, in the order the page lists them: history entries, live drawings and PNG info use them
+# (`requests.form_fields`, from `engine.request_fields`; this is the description as the server started with it).
+FORM_FIELDS = form_fields()
 HISTORY_LENGTH = 20
 LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
@@ -198,10 +196,11 @@ def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> li
     None leaves a field as it is. Raises `engine.InvalidRequest` for a file it may not or cannot read."""
     if isinstance(image, dict) and not image.get("path"):
         image = None
+    form = form_fields()
     params = png_info(files.picture(image, "The dropped picture")) if image is not None else None
     if params is None:
         note = "That picture carries no generation parameters." if image is not None else None
-        return [None] * (len(FORM_FIELDS) + 1) + [note]
+        return [None] * (len(form) + 1) + [note]
     fields = params.request_fields()
     size = f"{params.width}x{params.height}" if params.width and params.height else None
     offered = size_choices(pipe)
@@ -209,24 +208,20 @@ def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> li
     if scheduler is not None and scheduler not in pipe.limits.schedulers:  # "Euler" on a flow model: its own Euler
         same = [kind for kind in pipe.limits.schedulers if SAMPLER_NAMES.get(kind) == SAMPLER_NAMES[scheduler]]
         scheduler = same[0] if same else scheduler
-    values = {
-        "prompt": params.prompt,
-        "negative_prompt": params.negative_prompt,
-        "seed": params.seed,
-        "steps": fields.get("num_inference_steps"),
-        "guidance_scale": params.guidance_scale,
-        "scheduler": scheduler,
-        "size": size if size and (offered is None or size in offered) else None,
-        "images_per_device": None,
-        "deep_cache": params.deep_cache,
-        "token_merging": params.token_merging,
-    }
+    described = page_fields()
+    values = {name: fields.get(described[name].name) for name in form if name in described}
+    values.update(
+        negative_prompt=params.negative_prompt,
+        scheduler=scheduler,
+        size=size if size and (offered is None or size in offered) else None,
+        images_per_device=None,
+    )
     notes = [f"Read from the picture: {params.sampler or 'sampler'}, seed {params.seed}."]
     if size and values["size"] is None:
         notes.append(f"Its size {size} is not offered here; the size is unchanged.")
     if params.scheduler is None:
         notes.append("Its sampler is not one of ours; the scheduler is unchanged.")
-    return [*(values[name] for name in FORM_FIELDS), False, " ".join(notes)]
+    return [*(values[name] for name in form), False, " ".join(notes)]
 
 
 # ---- history (kept in the browser) ------------------------------------------------------------
@@ -282,15 +277,16 @@ def remember(history: list[dict] | None, picture: str | None, *form) -> tuple[li
     history = history if isinstance(history, list) else []
     if not picture:
         return history, show_history(history)
-    entry = dict(zip(FORM_FIELDS, form, strict=True), thumbnail=picture)
+    entry = dict(zip(form_fields(), form, strict=True), thumbnail=picture)
     history = [entry, *history][:HISTORY_LENGTH]
     return history, show_history(history)
 
 
 def restore(history: list[dict], index: int) -> list:
     """The settings of the generation at `index`, for the form (its seed fixed, so it draws the same)."""
-    entry = history[index]
-    return [entry[name] if name in entry else FORM_DEFAULTS[name] for name in FORM_FIELDS] + [False]
+    entry, described = history[index], page_fields()
+    # An entry saved before a field existed restores that field's default.
+    return [entry[name] if name in entry else described[name].default for name in form_fields()] + [False]
 
 
 # ---- live mode and the ControlNet's preview -------------------------------------------------
@@ -315,7 +311,7 @@ class LiveTexts:
 
 def live_values(*form: Any) -> dict[str, Any]:
     """A live drawing's raw values: the form's, with its seed as it stands."""
-    return dict(zip(FORM_FIELDS, form, strict=True), random_seed=False)
+    return dict(zip(form_fields(), form, strict=True), random_seed=False)
 
 
 def control_preview(pipe: engine.EngineFace, picture: Image.Image | None, canny: bool) -> Image.Image | None:

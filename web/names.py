@@ -15,7 +15,7 @@ from typing import Any
 import engine
 from engine.compat.pnginfo import SAMPLER_NAMES
 
-from .requests import as_float, as_int
+from .requests import as_float
 
 KARRAS_SUFFIX = " Karras"
 # Our kind -> (A1111's sampler, its schedule): "uniform" is the model's own spacing of the noise levels.
@@ -109,13 +109,6 @@ def a1111_names(kind: str) -> tuple[str, str]:
     """A1111's (sampler, scheduler label) for one of our kinds: ("DPM++ 2M", "Karras")."""
     sampler, schedule = KINDS[kind]
     return sampler, SCHEDULES[schedule][0]
-
-
-def a1111_clip_skip(value: Any) -> int:
-    """A1111's CLIP_stop_at_last_layers (1: the last layer, 2: one before it) as our layers skipped."""
-    if value is None or value == "":
-        return 0
-    return max(as_int(value, "CLIP_stop_at_last_layers") - 1, 0)
 
 
 def take_loras(prompt: str) -> tuple[str, dict[str, float]]:

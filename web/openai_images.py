@@ -18,6 +18,7 @@ Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections import OrderedDict
@@ -26,9 +27,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 import engine
+from engine import request_fields
 
 from . import names
 from .api_common import ApiJobs, b64, opaque, read_picture, result_pngs
@@ -41,7 +43,7 @@ LINK_MAX_BYTES = 128 * 2**20
 FORMATS = ("b64_json", "url")
 
 
-class GenerationsBody(BaseModel):
+class _GenerationsOwn(BaseModel):
     """OpenAI's fields that jax-sd reads, then ours; every other field (quality, style, user, ...) is ignored."""
 
     model_config = ConfigDict(extra="ignore")
@@ -51,19 +53,45 @@ class GenerationsBody(BaseModel):
     size: str | None = None
     response_format: str | None = None
     model: str | None = None
-    negative_prompt: str | None = None
-    seed: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    scheduler: str | None = None
-    clip_skip: int | None = None
-    eta: float | None = None
-    deep_cache: int | None = None
-    token_merging: float | None = None
 
 
-class EditsBody(GenerationsBody):
-    strength: float | None = None
+# The request fields OpenAI's door reads its own way: the prompt (its `<lora:...>` tags), `size`, `n`.
+OWN_FIELDS = ("prompt", "width", "height", "num_images", "lora_scales", "image", "mask_image")
+
+
+@functools.cache
+def _body_models(fields: tuple) -> tuple[type[BaseModel], type[BaseModel]]:
+    def extras(pictures: bool) -> dict[str, Any]:  # each field with an OpenAI name, as its type or null
+        return {
+            f.openai: (f.type | None, None)
+            for f in fields
+            if f.openai and f.name not in OWN_FIELDS and f.needs_image == pictures
+        }
+
+    doc = _GenerationsOwn.__doc__
+    generations = create_model("GenerationsBody", __base__=_GenerationsOwn, __doc__=doc, **extras(False))
+    edits = create_model("EditsBody", __base__=generations, **extras(True))
+    return generations, edits
+
+
+def body_models() -> tuple[type[BaseModel], type[BaseModel]]:
+    """(GenerationsBody, EditsBody) for the request fields as they stand (`request_fields.current()`)."""
+    return _body_models(request_fields.current())
+
+
+GenerationsBody, EditsBody = body_models()
+
+
+def body_values(pipe: engine.EngineFace, body: BaseModel) -> dict[str, Any]:
+    """The request fields under their OpenAI names in the body, as ours (the scheduler read as names.py reads it)."""
+    values = {
+        f.name: getattr(body, f.openai)
+        for f in request_fields.current()
+        if f.openai and f.name not in OWN_FIELDS and hasattr(body, f.openai)
+    }
+    if "scheduler" in values:
+        values["scheduler"] = names.our_scheduler(pipe, values["scheduler"])
+    return values
 
 
 class PictureLinks:
@@ -108,7 +136,7 @@ def _edit_pictures(image: bytes, mask: bytes | None, max_pixels: int) -> dict[st
 
 
 async def draw(
-    pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks, http: Request, body: GenerationsBody, pictures=None
+    pipe: engine.EngineFace, jobs: ApiJobs, links: PictureLinks, http: Request, body: BaseModel, pictures=None
 ) -> dict[str, Any]:
     response_format = body.response_format or "b64_json"
     if response_format not in FORMATS:
@@ -121,19 +149,11 @@ async def draw(
     width, height = names.openai_size(body.size)
     request = api_request(
         prompt,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        scheduler=names.our_scheduler(pipe, body.scheduler),
         width=width,
         height=height,
         num_images=1 if body.n is None else body.n,
-        clip_skip=body.clip_skip or 0,
-        eta=body.eta,
-        deep_cache=body.deep_cache,
-        token_merging=body.token_merging,
         lora_scales=loras,
+        **body_values(pipe, body),
         **(pictures or {}),
     )
     job = await jobs.run(pipe, request, http)
@@ -160,7 +180,7 @@ async def draw(
     return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{r.width}x{r.height}"}
 
 
-async def _read_edit_form(http: Request) -> tuple[EditsBody, bytes, bytes | None]:
+async def _read_edit_form(http: Request, model: type[BaseModel]) -> tuple[BaseModel, bytes, bytes | None]:
     form = await http.form()
     try:
         images = [v for k, v in form.multi_items() if k in ("image", "image[]") and not isinstance(v, str)]
@@ -169,7 +189,7 @@ async def _read_edit_form(http: Request) -> tuple[EditsBody, bytes, bytes | None
         masks = [v for k, v in form.multi_items() if k == "mask" and not isinstance(v, str)]
         fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
         try:
-            body = EditsBody.model_validate(fields)
+            body = model.model_validate(fields)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         return body, await images[0].read(), await masks[0].read() if masks else None
@@ -185,15 +205,18 @@ def openai_router(
     links = links or PictureLinks()
     max_pixels = max_pixels or default_max_pixels(pipe.limits)
 
-    @router.post("/images/generations")
-    async def generations(body: GenerationsBody, http: Request):
+    generations_body, edits_body = body_models()  # the request fields as they stand when the server is built
+
+    async def generations(body, http: Request):
         return await draw(pipe, jobs, links, http, body)
+
+    generations.__annotations__ = {"body": generations_body, "http": Request}  # FastAPI reads the model from here
+    router.add_api_route("/images/generations", generations, methods=["POST"])
 
     @router.post("/images/edits")
     async def edits(http: Request):
-        body, image, mask = await _read_edit_form(http)
+        body, image, mask = await _read_edit_form(http, edits_body)
         pictures = await asyncio.to_thread(_edit_pictures, image, mask, max_pixels)
-        pictures["strength"] = body.strength
         return await draw(pipe, jobs, links, http, body, pictures)
 
     @router.get("/images/files/{name}", name="openai_image_file")

@@ -8,6 +8,7 @@ None becomes `gr.skip()`. The model comes from the server's configuration, never
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +21,16 @@ from . import handlers
 from .api_gate import incident
 from .callers import Caller, CallerLimits, page_caller
 from .pictures import ClientFiles, default_max_pixels
-from .requests import default_strength, mode_choices, picture_fields, size_choices
+from .requests import (
+    ADAPTER_INPUTS,
+    default_strength,
+    form_fields,
+    mode_choices,
+    page_fields,
+    page_inputs,
+    picture_fields,
+    size_choices,
+)
 
 log = logging.getLogger("jax-sd")
 
@@ -59,6 +69,73 @@ def refuse(message: str) -> gr.Error:
 
 def _skip(value: Any) -> Any:
     return gr.skip() if value is None else value
+
+
+# ---- the controls and `/generate`'s parameters, from the request's fields ---------------------------
+
+# The page's own inputs, which are not request fields: what `/generate` says of each, and its default.
+OWN_INPUTS = {
+    "random_seed": ("draw a new seed for this request; the seed used is returned.", inspect.Parameter.empty),
+    "size": ("WIDTHxHEIGHT in pixels, one of the sizes the server offers.", inspect.Parameter.empty),
+    "images_per_device": ("pictures per device; the server has one or more devices.", inspect.Parameter.empty),
+    "canny_edges": ("steer with the control picture's Canny edge map rather than the picture itself.", False),
+    "mode": (
+        '"Text to image", "Image to image" (redraw `picture`) or "Inpaint" (redraw its masked part).',
+        "Text to image",
+    ),
+    "picture": (
+        "the starting picture, as the image editor sends it (its background; painted layers are the mask).",
+        None,
+    ),
+    "mask": ("inpainting: a mask at the picture's size, white where the picture is redrawn (else the painting).", None),
+}
+FIRST_WITHOUT_DEFAULT = 9  # /generate's first parameters (prompt ... images_per_device) have no default
+GENERATE_DOC = """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
+
+Args:
+{args}
+
+Returns:
+    the pictures with "device · seed" captions, the seed used, and a line of details.
+"""
+
+
+def _positional(names: list[str]) -> inspect.Signature:
+    """A handler's signature: these positional values, then gradio's request (found by its type)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(name, kind) for name in names]
+    return inspect.Signature([*params, inspect.Parameter("request", kind, annotation=gr.Request)])
+
+
+def field_control(pipe: engine.EngineFace, name: str, **props: Any) -> gr.components.Component:
+    """The control of the request field the page calls `name`: a slider over its range on this server's limits
+    (hidden where the range is empty, as DeepCache's on a model without UNet levels), or a dropdown of its choices;
+    its value the model's default, else the field's."""
+    f = page_fields()[name]
+    value = props.pop("value", pipe.defaults.get(f.name, f.default))
+    if f.page.control == "dropdown":
+        return gr.Dropdown(list(f.choices(pipe.limits)), value=value, label=f.page.label, **props)
+    low, high = f.bounds(pipe.limits)
+    low = low if f.page.minimum is None else f.page.minimum
+    step = f.page.step
+    return gr.Slider(
+        low, max(high, low + step), value=value, step=step, label=f.page.label, visible=high > low, **props
+    )
+
+
+def generate_signature() -> tuple[inspect.Signature, str]:
+    """`/generate`'s parameters (`requests.page_inputs`, then gradio's request and progress) and its docstring,
+    which gradio_client's and MCP's descriptions are read from."""
+    fields, params, args = page_fields(), [], []
+    for k, name in enumerate(page_inputs()):
+        meaning, default = OWN_INPUTS[name] if name in OWN_INPUTS else (fields[name].meaning, fields[name].default)
+        default = inspect.Parameter.empty if k < FIRST_WITHOUT_DEFAULT else default
+        params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default))
+        args.append(f"    {name}: {meaning}")
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params.append(inspect.Parameter("request", kind, default=None, annotation=gr.Request))
+    params.append(inspect.Parameter("progress", kind, default=gr.Progress()))
+    return inspect.Signature(params), GENERATE_DOC.format(args="\n".join(args))
 
 
 async def run_generation(
@@ -119,14 +196,7 @@ def picture_controls(pipe: engine.EngineFace) -> tuple[gr.Radio, gr.ImageEditor,
         mask = gr.Image(
             label="Mask (instead of painting: white is redrawn)", type="pil", sources=("upload",), elem_id="mask"
         )
-        strength = gr.Slider(
-            0.05,
-            1.0,
-            value=default_strength(pipe, choices[0]),
-            step=0.05,
-            label="Strength (how much of the picture is redrawn)",
-            elem_id="strength",
-        )
+        strength = field_control(pipe, "strength", value=default_strength(pipe, choices[0]), elem_id="strength")
     return mode, picture, mask, strength
 
 
@@ -148,9 +218,7 @@ def adapter_controls(pipe: engine.EngineFace, files: ClientFiles) -> list:
             )
             shown = gr.Image(label="What the ControlNet sees", interactive=False, elem_id="control-preview", height=200)
         canny = gr.Checkbox(label="Canny edges (use the picture's edge map)", value=False, elem_id="canny")
-        scale = gr.Slider(
-            *limits.control_scale_range, value=1.0, step=0.05, label="Conditioning scale", elem_id="control-scale"
-        )
+        scale = field_control(pipe, "controlnet_conditioning_scale", elem_id="control-scale")
 
     def preview(raw, canny_edges):
         try:  # preprocess=False: the picture is opened here, only as `files` allows, never by Gradio
@@ -194,82 +262,24 @@ def create_demo(
     default_size = f"{defaults['width']}x{defaults['height']}"
     concurrency = concurrency or 2 * pipe.batch_size
 
-    async def generate(
-        prompt,
-        negative_prompt,
-        seed,
-        random_seed,
-        steps,
-        guidance_scale,
-        scheduler,
-        size,
-        images_per_device,
-        control_image=None,
-        canny_edges=False,
-        controlnet_conditioning_scale=1.0,
-        lora_scales=None,
-        mode="Text to image",
-        picture=None,
-        mask=None,
-        strength=None,
-        deep_cache=0,
-        token_merging=0.0,
-        request: gr.Request = None,
-        progress=gr.Progress(),  # noqa: B008 - Gradio finds the tracker by this default
-    ):
-        """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
+    signature, doc = generate_signature()
 
-        Args:
-            prompt: what the picture should show, in English words.
-            negative_prompt: what to keep out of the picture; empty for none.
-            seed: the random seed of the first picture (picture k uses seed + k); ignored when random_seed is true.
-            random_seed: draw a new seed for this request; the seed used is returned.
-            steps: denoising steps; more is slower and usually finer.
-            guidance_scale: how closely to follow the prompt (classifier-free guidance); 1 or less turns it off.
-            scheduler: the sampler: pndm, ddim, euler, euler_a, dpm++2m, dpm++2m_karras, lcm or tcd.
-            size: WIDTHxHEIGHT in pixels, one of the sizes the server offers.
-            images_per_device: pictures per device; the server has one or more devices.
-            control_image: a picture that steers the drawing (servers started with --controlnet only).
-            canny_edges: steer with the control picture's Canny edge map rather than the picture itself.
-            controlnet_conditioning_scale: how strongly the control picture steers, 0 to 2.
-            lora_scales: the server's LoRAs by name -> weight (a LoRA left out keeps 1.0).
-            mode: "Text to image", "Image to image" (redraw `picture`) or "Inpaint" (redraw its masked part).
-            picture: the starting picture, as the image editor sends it (its background; painted layers are the mask).
-            mask: inpainting: a mask at the picture's size, white where the picture is redrawn (else the painting).
-            strength: with a picture, how much is redrawn, above 0 and at most 1.
-            deep_cache: DeepCache: a whole UNet pass every this many steps, only its first level between (faster, a
-                slightly different picture); 0 or 1: every step whole.
-            token_merging: the share of the first UNet level's tokens merged into similar ones before its
-                self-attentions (ToMe: faster, a slightly different picture); 0: off.
-
-        Returns:
-            the pictures with "device · seed" captions, the seed used, and a line of details.
-        """
+    async def generate(*args):
+        bound = signature.bind(*args)
+        bound.apply_defaults()
+        raw = dict(bound.arguments)
+        request, progress = raw.pop("request"), raw.pop("progress")
         try:  # preprocess=False: a client's pictures are opened here, only as `files` allows
             pictures = picture_fields(
-                mode, files.editor(picture, "The picture"), files.picture(mask, "The mask"), strength
+                raw.pop("mode"),
+                files.editor(raw.pop("picture"), "The picture"),
+                files.picture(raw.pop("mask"), "The mask"),
+                raw.pop("strength"),
             )
-            control_image = files.picture(control_image, "The control picture")
+            raw["control_image"] = files.picture(raw["control_image"], "The control picture")
         except engine.InvalidRequest as e:
             raise refuse(str(e)) from None
-        raw = {
-            "prompt": prompt,
-            "negative_prompt": negative_prompt,
-            "seed": seed,
-            "random_seed": random_seed,
-            "steps": steps,
-            "guidance_scale": guidance_scale,
-            "scheduler": scheduler,
-            "size": size,
-            "images_per_device": images_per_device,
-            "control_image": control_image,
-            "canny_edges": canny_edges,
-            "controlnet_conditioning_scale": controlnet_conditioning_scale,
-            "lora_scales": lora_scales,
-            "pictures": pictures,
-            "deep_cache": deep_cache,
-            "token_merging": token_merging,
-        }
+        raw["pictures"] = pictures
         last = None
         async for update in run_generation(pipe, raw, progress, files, callers, page_caller(request)):
             last = update
@@ -277,22 +287,16 @@ def create_demo(
         if last is not None and isinstance(last[0], list) and last[0]:  # the finished pictures: the last update
             results.keep(getattr(request, "session_hash", None), last[0][0][0])
 
-    def remember(
-        history,
-        text,
-        negative,
-        seed_value,
-        steps_value,
-        guidance,
-        kind,
-        size_value,
-        per,
-        deep,
-        merging,
-        request: gr.Request,
-    ):
-        form = (text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, merging)
+    generate.__signature__, generate.__doc__ = signature, doc
+    generate.__annotations__ = {"request": gr.Request}  # gradio finds the request by its type
+
+    def remember(history, *form_and_request):
+        *form, request = form_and_request
         return handlers.remember(history, results.take(request.session_hash), *form)
+
+    form_names = form_fields()
+    remember.__signature__ = _positional(["history", *form_names])
+    remember.__annotations__ = {"request": gr.Request}
 
     def refresh_status():
         return handlers.status_line(pipe), gr.Timer(active=not pipe.ready)
@@ -316,13 +320,15 @@ def create_demo(
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, scale=3)
                     random_seed = gr.Checkbox(label="Random seed", value=True, scale=1)
-                steps = gr.Slider(1, limits.max_steps, value=defaults["num_inference_steps"], step=1, label="Steps")
-                guidance_scale = gr.Slider(
-                    *limits.guidance_range, value=defaults["guidance_scale"], step=0.5, label="Guidance scale"
-                )
+                basic = [name for name, f in page_fields().items() if f.page.section == "basic"]
+                controls = {
+                    name: field_control(pipe, name)
+                    for name in basic
+                    if name not in ("prompt", "negative_prompt", "seed")
+                }
                 mode, picture, mask, strength = picture_controls(pipe)
                 with gr.Accordion("Advanced", open=False):
-                    scheduler = gr.Dropdown(list(limits.schedulers), value=defaults["scheduler"], label="Scheduler")
+                    controls["scheduler"] = field_control(pipe, "scheduler")
                     if sizes is None:  # any size in range: typed as WIDTHxHEIGHT
                         size = gr.Textbox(
                             value=default_size, label=f"Size (WIDTHxHEIGHT, multiples of {limits.side_multiple})"
@@ -337,22 +343,9 @@ def create_demo(
                         step=1,
                         label=f"Images per device ({n} device{'s' if n != 1 else ''})",
                     )
-                    deep_cache = gr.Slider(
-                        0,
-                        max(limits.max_deep_cache, 1),
-                        value=0,
-                        step=1,
-                        label="Deep cache: a whole UNet pass every N steps, its first level alone between (0: off)",
-                        visible=limits.max_deep_cache > 0,
-                    )
-                    token_merging = gr.Slider(
-                        0.0,
-                        max(limits.max_token_merging, 0.05),
-                        value=0.0,
-                        step=0.05,
-                        label="Token merging ratio: the share of the first level's tokens merged (0: off)",
-                        visible=limits.max_token_merging > 0,
-                    )
+                    for name, f in page_fields().items():  # the other fields of the section, in their order
+                        if f.page.section == "advanced" and name not in controls:
+                            controls[name] = field_control(pipe, name)
                 adapters = adapter_controls(pipe, files)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
@@ -391,9 +384,20 @@ def create_demo(
             cache_examples=False,
         )
 
-        inputs = [prompt, negative_prompt, seed, random_seed, steps, guidance_scale, scheduler, size, per_device]
-        inputs += adapters
-        inputs += [mode, picture, mask, strength, deep_cache, token_merging]
+        controls.update(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            seed=seed,
+            random_seed=random_seed,
+            size=size,
+            images_per_device=per_device,
+            mode=mode,
+            picture=picture,
+            mask=mask,
+            strength=strength,
+        )
+        controls.update(zip(ADAPTER_INPUTS, adapters, strict=True))
+        inputs = [controls[name] for name in page_inputs()]
         # preprocess=False: the handler receives the raw JSON values and checks them itself, so an API
         # caller sending a bad value gets the same readable message as the page. Many requests run at
         # once: the engine batches them on the devices; Gradio's queue holds the rest.
@@ -411,8 +415,7 @@ def create_demo(
         # Stop cancels the page's running request; the engine frees its slots at the next chunk.
         stop.click(None, cancels=[clicked, submitted], api_visibility="private")
 
-        form = [prompt, negative_prompt, seed, steps, guidance_scale, scheduler, size, per_device]
-        form += [deep_cache, token_merging]
+        form = [controls[name] for name in form_names]
         for done in (clicked, submitted):
             done.success(
                 remember,
@@ -441,25 +444,13 @@ def create_demo(
         def note(text, request: gr.Request):
             latest.note(request.session_hash, text)
 
-        async def draw_live(
-            on,
-            text,
-            negative,
-            seed_value,
-            steps_value,
-            guidance,
-            kind,
-            size_value,
-            per,
-            deep,
-            merging,
-            request: gr.Request,
-        ):
+        async def draw_live(on, *form_and_request):
+            *values, request = form_and_request
+            text = values[0]
             await asyncio.sleep(handlers.LIVE_PAUSE_S)
             if not on or not (text or "").strip() or not latest.is_latest(request.session_hash, text):
                 yield gr.skip(), gr.skip(), gr.skip()
                 return
-            values = (text, negative, seed_value, steps_value, guidance, kind, size_value, per, deep, merging)
             raw = handlers.live_values(*values)
             try:
                 live = run_generation(pipe, raw, None, limits=callers, caller=page_caller(request))
@@ -468,6 +459,8 @@ def create_demo(
             except gr.Error as e:
                 yield gr.skip(), gr.skip(), f"Live: {e.message}"
 
+        draw_live.__signature__ = _positional(["on", *form_names])
+        draw_live.__annotations__ = {"request": gr.Request}
         prompt.input(note, [prompt], None, queue=False, api_visibility="private")
         prompt.input(
             draw_live,

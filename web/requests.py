@@ -15,11 +15,36 @@ from typing import Any
 from PIL import Image
 
 import engine
+from engine import request_fields
+from engine.request_fields import RequestField
 
 # The page's mode labels -> the engine's modes; an API sends the same labels.
 MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
 # The ControlNet's and the LoRAs' inputs, in the order the page lists them after the form.
 ADAPTER_INPUTS = ("control_image", "canny_edges", "controlnet_conditioning_scale", "lora_scales")
+# `/generate`'s parameters as they stood before any field was added: the page's own ("random_seed", "size", ...) and
+# the request fields' page names. Every other field with a place on the page follows, in `request_fields` order.
+FIRST_INPUTS = ("prompt", "negative_prompt", "seed", "random_seed", "steps", "guidance_scale", "scheduler", "size")
+FIRST_INPUTS += ("images_per_device", *ADAPTER_INPUTS, "mode", "picture", "mask", "strength")
+# The page's own inputs that a history entry keeps, beside the fields of the remembered sections.
+REMEMBERED_OWN = ("size", "images_per_device")
+
+
+def page_fields() -> dict[str, RequestField]:
+    """The request fields with a place on the page, by the page's name for them."""
+    return {f.page_name: f for f in request_fields.current() if f.page}
+
+
+def page_inputs() -> tuple[str, ...]:
+    """`/generate`'s parameters in order: the first ones, then every later field with a place on the page."""
+    return FIRST_INPUTS + tuple(name for name in page_fields() if name not in FIRST_INPUTS)
+
+
+def form_fields() -> tuple[str, ...]:
+    """The form's values that a history entry, a live drawing and a dropped picture's recipe hold, in order."""
+    fields = page_fields()
+    kept = [name for name, f in fields.items() if f.page.section in request_fields.REMEMBERED]
+    return tuple(name for name in page_inputs() if name in kept or name in REMEMBERED_OWN)
 
 
 def _refuse(message: str) -> engine.InvalidRequest:
@@ -165,6 +190,20 @@ def adapter_fields(
 # ---- the request ---------------------------------------------------------------------------
 
 
+def read_value(f: RequestField, value: Any, what: str) -> Any:
+    """A field's raw value as its type; None or an empty box: the field's default (None: the model's own)."""
+    if value is None or (value == "" and f.type is not str):
+        return f.default
+    if f.type is int:
+        return as_int(value, what)
+    if f.type is float:
+        return as_float(value, what)
+    if f.type is str:
+        text = as_text(value, what)
+        return text or None if f.default is None else text  # an empty optional text: none at all
+    return value
+
+
 def parse_request(
     pipe: engine.EngineFace,
     prompt: Any,
@@ -177,16 +216,13 @@ def parse_request(
     size: Any,
     images_per_device: Any,
     pictures: dict[str, Any] | None = None,
-    deep_cache: Any = 0,
-    token_merging: Any = 0.0,
-    **adapters: Any,
+    **values: Any,
 ) -> engine.GenerationRequest:
     """Turns the page's (or an API client's) raw values into a request; the engine checks their ranges.
 
-    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size. `deep_cache`: a
-    whole UNet pass every that many steps (DeepCache; 0: off); `token_merging`: the share of the first UNet level's
-    tokens merged before its self-attentions (ToMe; 0: off).
-    `adapters`: the ControlNet's and the LoRAs' values (`adapter_fields`), all optional.
+    `pictures`: `picture_fields`' image, mask_image and strength; a picture brings its own size. `values`: the
+    ControlNet's and the LoRAs' values (`adapter_fields`, all optional), then every other field of the page's
+    basic and advanced sections by its page name (`request_fields`: "deep_cache", "token_merging", ...).
     Raises `engine.InvalidRequest` with a message for the user."""
     prompt = as_text(prompt, "Prompt")
     if not prompt:
@@ -203,18 +239,20 @@ def parse_request(
     pictures = dict(pictures or {})
     if pictures.pop("width", 0) is None:
         width = height = None
+    adapters = {name: values.pop(name) for name in ADAPTER_INPUTS if name in values}
+    values.update(negative_prompt=negative_prompt, steps=steps, guidance_scale=guidance_scale, scheduler=scheduler)
+    fields = page_fields()
+    unknown = [name for name in values if name not in fields]
+    if unknown:
+        raise TypeError(f"parse_request() got unexpected values {', '.join(unknown)}")
+    read = {fields[name].name: read_value(fields[name], value, fields[name].title) for name, value in values.items()}
     return engine.GenerationRequest(
         prompt=prompt,
-        negative_prompt=as_text(negative_prompt, "Negative prompt") or None,  # an empty box: no negative prompt
         seed=seed,
-        num_inference_steps=as_int(steps, "Steps"),
-        guidance_scale=as_float(guidance_scale, "Guidance scale"),
-        scheduler=scheduler,
         width=width,
         height=height,
         num_images=per_device * len(pipe.devices),
-        deep_cache=0 if deep_cache in (None, "") else as_int(deep_cache, "Deep cache"),
-        token_merging=0.0 if token_merging in (None, "") else as_float(token_merging, "Token merging ratio"),
+        **read,
         **adapter_fields(pipe, **adapters),
         **pictures,
     )
@@ -227,45 +265,21 @@ def _optional_int(value: Any, what: str) -> int | None:
     return None if value is None or value == "" else as_int(value, what)
 
 
-def api_request(
-    prompt: Any,
-    *,
-    negative_prompt: Any = None,
-    seed: Any = None,
-    steps: Any = None,
-    guidance_scale: Any = None,
-    scheduler: str | None = None,
-    width: Any = None,
-    height: Any = None,
-    num_images: Any = 1,
-    clip_skip: int = 0,
-    lora_scales: dict[str, float] | None = None,
-    image: Image.Image | None = None,
-    mask_image: Image.Image | None = None,
-    strength: Any = None,
-    eta: Any = None,
-    deep_cache: Any = None,
-    token_merging: Any = None,
-) -> engine.GenerationRequest:
-    """A REST API's values, already under our names, as a request; None takes the model's default (an image
-    brings its own size). A seed of None or -1 is drawn at random. The engine checks every range."""
-    seed = _optional_int(seed, "seed")
-    return engine.GenerationRequest(
-        prompt=as_text(prompt, "prompt") or "",
-        negative_prompt=as_text(negative_prompt, "negative_prompt") or None,
-        seed=secrets.randbelow(engine.SEED_LIMIT) if seed is None or seed == -1 else seed,
-        num_inference_steps=_optional_int(steps, "steps"),
-        guidance_scale=None if guidance_scale is None else as_float(guidance_scale, "guidance scale"),
-        scheduler=scheduler,
-        width=_optional_int(width, "width"),
-        height=_optional_int(height, "height"),
-        num_images=as_int(num_images, "number of images"),
-        clip_skip=clip_skip,
-        lora_scales=lora_scales or None,
-        image=image,
-        mask_image=mask_image,
-        strength=None if strength is None else as_float(strength, "strength"),
-        eta=0.0 if eta is None else as_float(eta, "eta"),
-        deep_cache=0 if deep_cache is None else as_int(deep_cache, "deep_cache"),
-        token_merging=0.0 if token_merging is None else as_float(token_merging, "token_merging"),
-    )
+def api_request(prompt: Any, **values: Any) -> engine.GenerationRequest:
+    """A REST API's values, already under the request's names (`request_fields`), as a request; None takes the
+    model's default (an image brings its own size; one picture). A seed of None or -1 is drawn at random. The
+    engine checks every range."""
+    fields = request_fields.by_name(request_fields.current())
+    unknown = [name for name in values if name not in fields]
+    if unknown:
+        raise TypeError(f"api_request() got unexpected fields {', '.join(unknown)}")
+    seed = _optional_int(values.pop("seed", None), "seed")
+    read = {
+        "prompt": as_text(prompt, "prompt") or "",
+        "seed": secrets.randbelow(engine.SEED_LIMIT) if seed is None or seed == -1 else seed,
+        "num_images": as_int(1 if values.get("num_images") is None else values.pop("num_images"), "number of images"),
+    }
+    for name, value in values.items():
+        if value is not None and value != {}:
+            read[name] = read_value(fields[name], value, name)
+    return engine.GenerationRequest(**read)

@@ -25,6 +25,8 @@ from typing import IO, TYPE_CHECKING, Any
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from .. import request_fields
+
 if TYPE_CHECKING:
     from ..request import GenerationRequest
 
@@ -58,14 +60,20 @@ for _kind, _name in SAMPLER_NAMES.items():  # takes its own Euler for it (web/na
 _PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
-# The keys this dataclass owns; everything else stays in `extra`, in the order it came.
-_OWN = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model", "Denoising strength", "Clip skip")
-_OWN += ("Eta", "Eta DDIM", "Deep cache", "Token merging ratio")
-# A1111 writes a sampler's eta only when it is not the sampler's default (0 for ours, as diffusers' pipelines):
-# "Eta DDIM" for DDIM (its `eta_infotext_field`), "Eta" for the others.
-_ETA_KEYS = {"ddim": "Eta DDIM"}
+# The keys of the recipe's own fields besides the request fields' (`request_fields.FIELDS`, their `png` keys).
+_CORE = ("Sampler", "Schedule type", "Size", "Model")
 # A1111's order for the keys that lead its line; the others follow in the order they came.
 _ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model")
+
+
+def _recorded() -> dict[str, request_fields.RequestField]:
+    """The request fields a recipe records: those with a key in PNG parameters, in the description's order."""
+    return {f.name: f for f in request_fields.current() if f.png}
+
+
+def _unset(f: request_fields.RequestField) -> Any:
+    # A recipe's value when not recorded: the field's default, or None where the default would be written (a seed).
+    return None if f.default is None or f.is_written(f.default) else f.default
 
 
 def _adapter_entries(request: GenerationRequest) -> dict[str, str]:
@@ -79,26 +87,64 @@ def _adapter_entries(request: GenerationRequest) -> dict[str, str]:
     return extra
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GenerationParameters:
-    """One picture's recipe, named as `GenerationRequest` names it. None: not recorded."""
+    """One picture's recipe, named as `GenerationRequest` names it. None: not recorded.
+
+    Its own fields: the prompt, the negative prompt (A1111 writes no negative line for an empty one, so None and ""
+    read back as ""), the scheduler (our kind; None when the text names a sampler we do not have), the size and the
+    model's name; then every request field with a `png` key (`request_fields`), in `values` and as keyword
+    arguments and attributes: `num_inference_steps`, `guidance_scale`, `seed` (this picture's own: image k of a
+    request is seed + k), `strength` (with a picture only), `clip_skip`, `eta`, `deep_cache`, `token_merging`, ...
+    `extra`: every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us).
+    """
 
     prompt: str
-    negative_prompt: str = ""  # A1111 writes no negative line for an empty one, so None and "" read back as ""
-    num_inference_steps: int | None = None  # "Steps"
-    scheduler: str | None = None  # our kind ("euler_a"); None when the text names a sampler we do not have
-    guidance_scale: float | None = None  # "CFG scale"
-    seed: int | None = None  # this picture's own seed (image k of a request: seed + k)
-    width: int | None = None  # "Size: {width}x{height}"
-    height: int | None = None
-    model: str | None = None  # "Model": the model's name, not a path to it
-    clip_skip: int = 0  # layers skipped, as `GenerationRequest.clip_skip`; A1111 writes "Clip skip: 2" for 1
-    strength: float | None = None  # "Denoising strength": image-to-image and inpainting only, as A1111 writes it
-    eta: float = 0.0  # "Eta DDIM" (DDIM) or "Eta": the sampler's stochasticity, written when not 0
-    deep_cache: int = 0  # "Deep cache": a whole UNet pass every that many steps (DeepCache), written when above 1
-    token_merging: float = 0.0  # "Token merging ratio", as A1111 writes ToMe's ratio, when not 0
-    # Every other key, as text, in the order written ("Model hash", "Version", "Sampler" when unknown to us, ...).
-    extra: dict[str, str] = field(default_factory=dict, hash=False)
+    negative_prompt: str
+    scheduler: str | None
+    width: int | None
+    height: int | None
+    model: str | None
+    values: dict[str, Any] = field(hash=False)
+    extra: dict[str, str] = field(hash=False)
+
+    def __init__(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        num_inference_steps: int | None = None,
+        scheduler: str | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        model: str | None = None,
+        extra: dict[str, str] | None = None,
+        values: dict[str, Any] | None = None,
+        **recorded: Any,
+    ):
+        fields = _recorded()
+        unknown = [name for name in recorded if name not in fields]
+        if unknown:
+            raise TypeError(f"GenerationParameters records no field {', '.join(unknown)}")
+        given = dict(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed)
+        if values is not None:  # `dataclasses.replace`: the values as they were, then the changed ones
+            given = {name: values[name] for name in given if name in values} | {
+                name: value for name, value in given.items() if value is not None
+            }
+        merged = {**(values or {}), **given, **recorded}
+        own = dict(prompt=prompt, negative_prompt=negative_prompt, scheduler=scheduler, width=width, height=height)
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "values", {name: merged.get(name, _unset(f)) for name, f in fields.items()})
+        object.__setattr__(self, "extra", dict(extra or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"GenerationParameters has no {name!r}")
 
     @property
     def sampler(self) -> str | None:
@@ -108,22 +154,21 @@ class GenerationParameters:
     @classmethod
     def from_request(cls, request: GenerationRequest, seed: int, model: str) -> GenerationParameters:
         """The recipe of one picture of a complete request (`Limits.resolve` has filled in the defaults)."""
+        recorded = {}
+        for name, f in _recorded().items():
+            value = seed if name == "seed" else getattr(request, name, f.default)
+            if f.needs_image and request.image is None or not f.is_written(value):
+                value = _unset(f)  # written only with a picture (denoising strength); or off (deep cache 1)
+            recorded[name] = value if value is None else f.type(value)
         return cls(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt or "",
-            num_inference_steps=request.num_inference_steps,
             scheduler=request.scheduler,
-            guidance_scale=request.guidance_scale,
-            seed=seed,
             width=request.width,
             height=request.height,
             model=model,
-            clip_skip=request.clip_skip,
             extra=_adapter_entries(request),
-            strength=request.strength if request.image is not None else None,
-            eta=float(request.eta),
-            deep_cache=int(request.deep_cache) if request.deep_cache > 1 else 0,
-            token_merging=float(request.token_merging),
+            **recorded,
         )
 
     def request_fields(self) -> dict[str, Any]:
@@ -131,17 +176,10 @@ class GenerationParameters:
         fields = dict(
             prompt=self.prompt,
             negative_prompt=self.negative_prompt,
-            seed=self.seed,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
             height=self.height,
             width=self.width,
             scheduler=self.scheduler,
-            clip_skip=self.clip_skip,
-            strength=self.strength,
-            eta=self.eta,
-            deep_cache=self.deep_cache,
-            token_merging=self.token_merging,
+            **self.values,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -172,32 +210,22 @@ def _number(value: float) -> str:
 def format_parameters(params: GenerationParameters) -> str:
     """The text of the "parameters" chunk, laid out as A1111's `create_infotext` lays it out."""
     own: dict[str, str] = {}
-    if params.num_inference_steps is not None:
-        own["Steps"] = str(int(params.num_inference_steps))
+    if params.scheduler is not None and params.scheduler not in SAMPLER_NAMES:
+        raise ValueError(f"unknown scheduler {params.scheduler!r}; one of {', '.join(SAMPLER_NAMES)}")
+    for name, f in _recorded().items():
+        value = params.values[name]
+        if value is None or not f.is_written(value):
+            continue
+        value = f.to_a1111(value) if f.to_a1111 else value
+        own[f.png_key(params.scheduler)] = str(int(value)) if f.type is int else _number(value)
     if params.scheduler is not None:
-        if params.scheduler not in SAMPLER_NAMES:
-            raise ValueError(f"unknown scheduler {params.scheduler!r}; one of {', '.join(SAMPLER_NAMES)}")
         own["Sampler"] = SAMPLER_NAMES[params.scheduler]
         if params.scheduler == "dpm++2m":  # else A1111 1.9+ reads a bare "DPM++ 2M" as Karras ("Automatic")
             own["Schedule type"] = "Uniform"
-    if params.guidance_scale is not None:
-        own["CFG scale"] = _number(params.guidance_scale)
-    if params.seed is not None:
-        own["Seed"] = str(int(params.seed))
     if params.width is not None and params.height is not None:
         own["Size"] = f"{int(params.width)}x{int(params.height)}"
     if params.model:
         own["Model"] = params.model
-    if params.strength is not None:
-        own["Denoising strength"] = _number(params.strength)
-    if params.clip_skip:
-        own["Clip skip"] = str(params.clip_skip + 1)
-    if params.eta:
-        own[_ETA_KEYS.get(params.scheduler, "Eta")] = _number(params.eta)
-    if params.deep_cache > 1:
-        own["Deep cache"] = str(params.deep_cache)
-    if params.token_merging:
-        own["Token merging ratio"] = _number(params.token_merging)
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
     ordered = [key for key in _ORDER if key in pairs] + [key for key in pairs if key not in _ORDER]
     line = ", ".join(f"{key}: {quote(pairs[key])}" for key in ordered)
@@ -261,46 +289,27 @@ def parse_parameters(text: str) -> GenerationParameters:
     width = height = None
     if size := _SIZE.match(pairs.get("Size", "")):
         width, height = int(size.group(1)), int(size.group(2))
-    clip_skip = _whole(pairs.get("Clip skip"))
-    eta = _real(pairs.get("Eta DDIM", pairs.get("Eta")))
-    deep_cache = _whole(pairs.get("Deep cache"))
-    token_merging = _real(pairs.get("Token merging ratio"))
-    values = dict(
-        num_inference_steps=_whole(pairs.get("Steps")),
-        scheduler=kind,
-        guidance_scale=_real(pairs.get("CFG scale")),
-        seed=_whole(pairs.get("Seed")),
-        width=width,
-        model=pairs.get("Model"),
-        clip_skip=max(clip_skip - 1, 0) if clip_skip is not None else 0,
-        strength=_real(pairs.get("Denoising strength")),
-        eta=eta or 0.0,
-        deep_cache=deep_cache or 0,
-        token_merging=token_merging or 0.0,
-    )
-    # A key whose value we could not take (an unknown sampler, a seed that is not a number) stays as text.
-    taken = {
-        "Steps": values["num_inference_steps"] is not None,
-        "Sampler": kind is not None,
-        "Schedule type": kind is not None,
-        "CFG scale": values["guidance_scale"] is not None,
-        "Seed": values["seed"] is not None,
-        "Size": width is not None,
-        "Model": True,
-        "Denoising strength": values["strength"] is not None,
-        "Clip skip": clip_skip is not None,
-        "Eta": eta is not None and "Eta DDIM" not in pairs,
-        "Eta DDIM": eta is not None,
-        "Deep cache": deep_cache is not None,
-        "Token merging ratio": token_merging is not None,
-    }
-    extra = {key: value for key, value in pairs.items() if key not in _OWN or not taken[key]}
+    taken = {"Sampler": kind is not None, "Schedule type": kind is not None, "Size": width is not None}
+    taken["Model"] = True
+    recorded = {}
+    for name, f in _recorded().items():
+        key = next((key for key in f.png_keys() if key in pairs), None)
+        if key is None:
+            continue
+        value = (_whole if f.type is int else _real)(pairs[key])
+        taken[key] = value is not None  # a value that does not read as its type (a seed of "abc") stays as text
+        if value is not None:
+            recorded[name] = f.from_a1111(value) if f.from_a1111 else value
+    extra = {key: value for key, value in pairs.items() if not taken.get(key, False)}
     return GenerationParameters(
         prompt="\n".join(prompt),
         negative_prompt="\n".join(negative),
+        scheduler=kind,
+        width=width,
         height=height,
+        model=pairs.get("Model"),
         extra=extra,
-        **values,
+        **recorded,
     )
 
 

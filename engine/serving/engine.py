@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
 import threading
 import weakref
@@ -21,7 +22,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from PIL import Image
 
 from .. import schedulers
 from ..errors import InvalidRequest
@@ -50,6 +50,12 @@ MAX_TOKEN_MERGING = 0.75  # the largest token merging ratio a request may ask fo
 log = logging.getLogger("jax-sd")
 
 DEFAULT_MAX_BATCH_SIZE = 8  # image slots drawn at once over all devices
+
+
+def _run_dtype(params) -> str:
+    """The dtype the networks run in: that of their largest floating-point array (a denoiser's kernel)."""
+    floats = [a for a in jax.tree.leaves(params) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
+    return str(max(floats, key=lambda a: a.size).dtype) if floats else "float32"
 
 
 def _device_name(group) -> str:
@@ -104,7 +110,13 @@ class Engine:
         self._lanes = NamedSharding(self.mesh, P(pairs.DATA))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
-        self._pinned = onednn.pin(self.params)  # bf16 convolutions on the CPU: kernels reordered once
+        self._pinned = onednn.pin(self.params)  # kernels oneDNN serves on the CPU: reordered once
+        self.dtype = _run_dtype(self.params)  # "float32", "bfloat16" or "float16": the networks' own
+        # For people (the page's details, the APIs' options): the dtype and what computes the products here.
+        platform = self._devices[0].platform
+        self.compute_path = onednn.compute_path(self.dtype, platform)
+        slow = onednn.slow_half(self.dtype, platform)
+        log.log(logging.WARNING if slow else logging.INFO, "compute path: %s", self.compute_path)
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
         self.controlnet = model.controlnet  # its source, or None
         self.defaults = dict(model.defaults)
@@ -229,40 +241,11 @@ class Engine:
         self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
 
-    def generate(
-        self,
-        prompt: str,
-        negative_prompt: str | None = None,
-        seed: int = 0,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        num_images: int | None = None,
-        scheduler: str | None = None,
-        latents: np.ndarray | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        clip_skip: int = 0,
-        control_image=None,
-        controlnet_conditioning_scale: float = 1.0,
-        lora_scales: dict[str, float] | None = None,
-        image: Image.Image | None = None,
-        mask_image: Image.Image | None = None,
-        strength: float | None = None,
-        eta: float = 0.0,
-        deep_cache: int = 0,
-        token_merging: float = 0.0,
-    ) -> GenerationResult:
-        """One request, waited for: the simple call. `clip_skip` k reads the text encoders k layers early; `eta` is
-        the sampler's stochasticity as diffusers' pipelines pass it (DDIM's eta, TCD's gamma; others ignore it).
-        `control_image` (a PIL picture; a server with a ControlNet) steers every image, its residuals scaled by
-        `controlnet_conditioning_scale`; `lora_scales` weighs the loaded LoRAs by name (left out: 1.0). `image`:
-        start from this picture (image-to-image), noised to the step `strength` selects; with `mask_image` (white =
-        repaint), only the white part is redrawn (inpainting). `latents` is then the noise mixed into the picture.
-        `deep_cache` N > 1: the UNet runs whole every N steps, its first level alone between (DeepCache);
-        `token_merging` r: that share of the first level's tokens is merged before its self-attentions (ToMe)."""
-        fields = {name: value for name, value in locals().items() if name not in ("self", "progress")}
-        request = GenerationRequest(**fields)  # every argument but `progress` is the request's field of that name
+    def generate(self, prompt: str, progress: Callable[[int, int], None] | None = None, **fields) -> GenerationResult:
+        """One request, waited for: the simple call. Every keyword is the `GenerationRequest` field of that name
+        (`engine.request_fields` says what each means; None: the model's default); `progress(step, total)` is
+        called as the denoising goes. `help(Engine.generate)` lists them with their defaults."""
+        request = GenerationRequest(prompt, **fields)  # an unknown keyword is a TypeError, as in any call
         ticket = self.submit(request)
         if progress is not None:
             ticket.subscribe(lambda e: progress(e.step, e.total) if isinstance(e, Progress) else None)
@@ -320,3 +303,20 @@ def _close_if_alive(ref: weakref.ref) -> None:
     engine = ref()
     if engine is not None:
         engine.close()
+
+
+def _generate_signature() -> inspect.Signature:
+    """`generate`'s keywords: the request's fields after the prompt, with their defaults, and `progress`."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+        inspect.Parameter("progress", kind, default=None),
+    ]
+    for f in dataclasses.fields(GenerationRequest)[1:]:
+        default = f.default if f.default is not dataclasses.MISSING else None
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
+    return inspect.Signature(params, return_annotation="GenerationResult")
+
+
+Engine.generate.__signature__ = _generate_signature()

@@ -1,0 +1,271 @@
+"""Each field of a `GenerationRequest`, described once: what it means, its type, default and range, its names at
+every door (AUTOMATIC1111's body or settings, PNG parameters, OpenAI's extra body) and where it sits on the page.
+
+The doors derive what they show from `FIELDS`: the page's controls and `/generate`'s parameters (web/page.py), the
+REST parser (web/requests.py), the A1111 and OpenAI body models (web/a1111_models.py, web/openai_images.py), PNG
+parameters written and read back (compat/pnginfo.py), MCP's tool schema (from `/generate`) and the history entry.
+What a door does that is truly its own stays there: A1111's batch_size x n_iter and sampler names, OpenAI's
+`size`, the page's size dropdown and seed box. `Limits.check` stays the one validator; a field's range here
+only says where it comes from (a number, or the name of a `Limits` attribute), for the controls that show it.
+
+A new request field is one record here, its field on `GenerationRequest` and its use in the engine. The doors read
+`FIELDS` when they are built, never at import, so a server built after a change of `FIELDS` shows the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The page's sections: above the fold, the "Advanced" accordion, the picture modes' and the adapters' accordions.
+SECTIONS = ("basic", "advanced", "picture", "adapters")
+REMEMBERED = ("basic", "advanced")  # a history entry, a live drawing and a dropped picture's recipe hold these
+
+
+@dataclass(frozen=True)
+class OnPage:
+    """Where a field sits on the page and how it is set there."""
+
+    section: str  # one of SECTIONS
+    control: str  # "slider", "dropdown" (choices from the range's Limits attribute), or the page's own widget
+    label: str
+    step: float | None = None
+    name: str | None = None  # the page's (and `/generate`'s) name for it, where it is not the field's own
+    minimum: float | None = None  # the slider's low end, where the range's own is open ("above 0")
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One field of the request. `range`: (low, high), each a number or the name of a `Limits` attribute, or the
+    name of one `Limits` attribute holding (low, high) or the choices; None: no range of its own."""
+
+    name: str  # `GenerationRequest`'s and `engine.generate`'s name
+    type: type  # int, float, str, or the door's own kind (a picture, a mapping)
+    default: Any  # None: the model's own (or, for a picture, none)
+    meaning: str  # one line, for people: the page's and MCP's description
+    range: tuple[float | str, float | str] | str | None = None
+    title: str = ""  # how a refusal names it at the page ("Steps"); the API names it by its field name
+    page: OnPage | None = None
+    a1111: str | None = None  # the name in A1111's txt2img / img2img body
+    a1111_setting: str | None = None  # the name in A1111's `override_settings` (it wins over the body's)
+    png: str | None = None  # the key in PNG parameters (A1111's infotext)
+    png_by_scheduler: tuple[tuple[str, str], ...] = ()  # (scheduler, key) where A1111 writes another key for one
+    openai: str | None = None  # the name in OpenAI's body, as an extra field
+    needs_image: bool = False  # only with a picture: A1111's img2img, OpenAI's edits, PNG only then
+    written: Callable[[Any], bool] | None = None  # PNG: written when this holds (default: set and not the default)
+    to_a1111: Callable[[Any], Any] | None = None  # ours -> A1111's value, in its body and in PNG parameters
+    from_a1111: Callable[[Any], Any] | None = None  # A1111's value -> ours
+
+    @property
+    def page_name(self) -> str:
+        return (self.page.name if self.page else None) or self.name
+
+    def bounds(self, limits: Any) -> tuple[Any, Any]:
+        """(low, high) on these limits."""
+        if isinstance(self.range, str):
+            return tuple(getattr(limits, self.range))
+        low, high = self.range
+        return tuple(getattr(limits, end) if isinstance(end, str) else end for end in (low, high))
+
+    def choices(self, limits: Any) -> tuple:
+        return tuple(getattr(limits, self.range))
+
+    def png_key(self, scheduler: str | None) -> str | None:
+        return dict(self.png_by_scheduler).get(scheduler, self.png)
+
+    def png_keys(self) -> tuple[str, ...]:
+        """Every key it is read back from, the specific ones first (A1111 writes "Eta DDIM" for DDIM)."""
+        return tuple(dict.fromkeys([key for _, key in self.png_by_scheduler] + [self.png]))
+
+    def is_written(self, value: Any) -> bool:
+        if self.written is not None:
+            return self.written(value)
+        return value is not None and value != self.default
+
+
+def _clip_skip_to_a1111(layers: int) -> int:
+    return int(layers) + 1  # A1111's CLIP_stop_at_last_layers: 1 is the last layer, 2 one before it
+
+
+def _clip_skip_from_a1111(stop_at: int) -> int:
+    return max(int(stop_at) - 1, 0)  # 0 and 1 both mean the last layer
+
+
+FIELDS: tuple[RequestField, ...] = (
+    RequestField(
+        "prompt",
+        str,
+        "",
+        "what the picture should show, in English words.",
+        title="Prompt",
+        page=OnPage("basic", "textbox", "Prompt"),
+        a1111="prompt",
+        openai="prompt",
+    ),
+    RequestField(
+        "negative_prompt",
+        str,
+        None,
+        "what to keep out of the picture; empty for none.",
+        title="Negative prompt",
+        page=OnPage("basic", "textbox", "Negative prompt"),
+        a1111="negative_prompt",
+        openai="negative_prompt",
+    ),
+    RequestField(
+        "seed",
+        int,
+        0,
+        "the random seed of the first picture (picture k uses seed + k); ignored when random_seed is true.",
+        range=(0, 2**32 - 1),  # engine.SEED_LIMIT - 1: seeds are uint32
+        title="Seed",
+        page=OnPage("basic", "number", "Seed"),
+        a1111="seed",
+        png="Seed",
+        openai="seed",
+        written=lambda seed: seed is not None,
+    ),
+    RequestField(
+        "num_inference_steps",
+        int,
+        None,
+        "denoising steps; more is slower and usually finer.",
+        range=(1, "max_steps"),
+        title="Steps",
+        page=OnPage("basic", "slider", "Steps", step=1, name="steps"),
+        a1111="steps",
+        png="Steps",
+        openai="num_inference_steps",
+    ),
+    RequestField(
+        "guidance_scale",
+        float,
+        None,
+        "how closely to follow the prompt (classifier-free guidance); 1 or less turns it off.",
+        range="guidance_range",
+        title="Guidance scale",
+        page=OnPage("basic", "slider", "Guidance scale", step=0.5),
+        a1111="cfg_scale",
+        png="CFG scale",
+        openai="guidance_scale",
+    ),
+    RequestField(
+        "scheduler",
+        str,
+        None,
+        "the sampler: pndm, ddim, euler, euler_a, dpm++2m, dpm++2m_karras, lcm or tcd.",
+        range="schedulers",
+        title="Scheduler",
+        page=OnPage("advanced", "dropdown", "Scheduler"),
+        openai="scheduler",  # A1111 names samplers its own way (web/names.py); PNG: "Sampler", "Schedule type"
+    ),
+    RequestField("width", int, None, "the picture's width in pixels.", a1111="width"),  # the page: its size
+    RequestField("height", int, None, "the picture's height in pixels.", a1111="height"),  # OpenAI: `size`
+    RequestField("num_images", int, None, "how many pictures; default: one per device."),  # each door counts its own
+    RequestField(
+        "strength",
+        float,
+        None,
+        "with a picture, how much is redrawn, above 0 and at most 1.",
+        range=(0.0, 1.0),
+        title="Strength",
+        page=OnPage("picture", "slider", "Strength (how much of the picture is redrawn)", step=0.05, minimum=0.05),
+        a1111="denoising_strength",
+        png="Denoising strength",
+        openai="strength",
+        needs_image=True,
+    ),
+    RequestField(
+        "clip_skip",
+        int,
+        0,
+        "read the text encoder this many layers before its last.",
+        range=(0, "max_clip_skip"),
+        a1111="clip_skip",  # SD.Next's field; A1111's own is the setting
+        a1111_setting="CLIP_stop_at_last_layers",
+        png="Clip skip",
+        openai="clip_skip",
+        to_a1111=_clip_skip_to_a1111,
+        from_a1111=_clip_skip_from_a1111,
+    ),
+    RequestField(
+        "eta",
+        float,
+        0.0,
+        "the sampler's stochasticity: DDIM's eta (0: deterministic), TCD's gamma; the others take none.",
+        range="eta_range",
+        png="Eta",
+        png_by_scheduler=(("ddim", "Eta DDIM"),),  # A1111's `eta_infotext_field` for DDIM
+        openai="eta",
+    ),
+    RequestField(
+        "deep_cache",
+        int,
+        0,
+        "DeepCache: a whole UNet pass every this many steps, only its first level between (faster, a slightly "
+        "different picture); 0 or 1: every step whole.",
+        range=(0, "max_deep_cache"),
+        title="Deep cache",
+        page=OnPage(
+            "advanced",
+            "slider",
+            "Deep cache: a whole UNet pass every N steps, its first level alone between (0: off)",
+            1,
+        ),
+        png="Deep cache",
+        openai="deep_cache",
+        written=lambda interval: interval is not None and interval > 1,  # 1 is every step whole, as 0
+    ),
+    RequestField(
+        "token_merging",
+        float,
+        0.0,
+        "the share of the first UNet level's tokens merged into similar ones before its self-attentions (ToMe: "
+        "faster, a slightly different picture); 0: off.",
+        range=(0.0, "max_token_merging"),
+        title="Token merging ratio",
+        page=OnPage(
+            "advanced", "slider", "Token merging ratio: the share of the first level's tokens merged (0: off)", 0.05
+        ),
+        a1111_setting="token_merging_ratio",
+        png="Token merging ratio",
+        openai="token_merging",
+    ),
+    RequestField(
+        "control_image",
+        object,
+        None,
+        "a picture that steers the drawing (servers started with --controlnet only).",
+        page=OnPage("adapters", "image", "Control picture"),
+    ),
+    RequestField(
+        "controlnet_conditioning_scale",
+        float,
+        1.0,
+        "how strongly the control picture steers, 0 to 2.",
+        range="control_scale_range",
+        title="Conditioning scale",
+        page=OnPage("adapters", "slider", "Conditioning scale", step=0.05),
+    ),
+    RequestField(
+        "lora_scales",
+        dict,
+        None,
+        "the server's LoRAs by name -> weight (a LoRA left out keeps 1.0).",
+        range="lora_scale_range",
+        page=OnPage("adapters", "json", "LoRA weights"),  # A1111 and OpenAI: `<lora:name:weight>` in the prompt
+    ),
+    RequestField("image", object, None, "start from this picture (image to image)."),  # each door its own upload
+    RequestField("mask_image", object, None, "white: repaint (inpainting); at the picture's size."),
+    RequestField("latents", object, None, "the starting noise, [n, c, h/8, w/8]; for scripts, not the doors."),
+)
+
+
+def by_name(fields: tuple[RequestField, ...] | None = None) -> dict[str, RequestField]:
+    return {f.name: f for f in (FIELDS if fields is None else fields)}
+
+
+def current() -> tuple[RequestField, ...]:
+    """The description as it stands now (the doors call this when they are built)."""
+    return FIELDS
