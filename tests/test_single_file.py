@@ -11,23 +11,40 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tiny_pipeline
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from flax import nnx
+from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize
 from safetensors.torch import save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from engine import load_pipeline
 from engine.errors import ConfigError, SourceError
 from engine.families.loader import load_model_folder
+from tools.tiny_tokenizer import write_tokenizer
 
-SIZE, STEPS = 64, 2
+SIZE, STEPS = 64, 4  # test_pipeline.py's sd1/ddim case: its compiled programs serve this one in a full run
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"
 RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3"}
 RESNET |= {"time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
+OPENCLIP_LAYER = {
+    "layer_norm1": "ln_1",
+    "layer_norm2": "ln_2",
+    "mlp.fc1": "mlp.c_fc",
+    "mlp.fc2": "mlp.c_proj",
+    "self_attn.out_proj": "attn.out_proj",
+}
 VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 
 
@@ -41,6 +58,8 @@ def unet_table(config: dict) -> dict[str, str]:
         "conv_norm_out.": "out.0.",
         "conv_out.": "out.2.",
         "mid_block.attentions.0.": "middle_block.1.",
+        "add_embedding.linear_1.": "label_emb.0.0.",  # SDXL's text_time embedding
+        "add_embedding.linear_2.": "label_emb.0.2.",
     }
     for j in range(2):
         table[f"mid_block.resnets.{j}."] = f"middle_block.{2 * j}."
@@ -60,7 +79,35 @@ def unet_table(config: dict) -> dict[str, str]:
     return table
 
 
-def to_original(pipe: StableDiffusionPipeline) -> dict[str, torch.Tensor]:
+def clip_original(encoder) -> dict[str, torch.Tensor]:
+    """transformers' CLIP as the original files hold it: its own names, under `text_model.`."""
+    return {k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in encoder.state_dict().items()}
+
+
+def openclip_original(encoder, extra_layer: bool = False) -> dict[str, torch.Tensor]:
+    """transformers' CLIP as an OpenCLIP text tower: q, k and v stacked, `text_projection` applied as x @ P."""
+    sd = {k.removeprefix("text_model."): v for k, v in encoder.state_dict().items()}
+    out = {
+        "token_embedding.weight": sd["embeddings.token_embedding.weight"],
+        "positional_embedding": sd["embeddings.position_embedding.weight"],
+        "ln_final.weight": sd["final_layer_norm.weight"],
+        "ln_final.bias": sd["final_layer_norm.bias"],
+        "logit_scale": torch.tensor(4.6),
+    }
+    layers = encoder.config.num_hidden_layers
+    for i in range(layers + extra_layer):
+        src, dst = f"encoder.layers.{i % layers}.", f"transformer.resblocks.{i}."
+        for leaf in ("weight", "bias"):
+            stacked = [sd[f"{src}self_attn.{p}_proj.{leaf}"] for p in "qkv"]
+            out[f"{dst}attn.in_proj_{leaf}"] = torch.cat(stacked) * (1.5 if i >= layers else 1)
+            for ours, theirs in OPENCLIP_LAYER.items():
+                out[f"{dst}{theirs}.{leaf}"] = sd[f"{src}{ours}.{leaf}"]
+    width = encoder.config.hidden_size
+    out["text_projection"] = sd["text_projection.weight"].T if "text_projection.weight" in sd else torch.eye(width)
+    return out
+
+
+def to_original(pipe, kind: str = "sd1") -> dict[str, torch.Tensor]:
     """The pipeline's networks as one state dict in the original layout."""
     out = {}
     table = unet_table(pipe.unet.config)
@@ -84,13 +131,19 @@ def to_original(pipe: StableDiffusionPipeline) -> dict[str, torch.Tensor]:
             if m[2] != "group_norm" and m[3] == "weight":
                 value = value[:, :, None, None]  # the original's 1x1 convs
         out[f"first_stage_model.{name}"] = value
-    for key, value in pipe.text_encoder.state_dict().items():
-        key = key if key.startswith("text_model.") else f"text_model.{key}"  # transformers 5 saves it without
-        out[f"cond_stage_model.transformer.{key}"] = value
+    if kind == "sd1":
+        out |= {f"cond_stage_model.transformer.{k}": v for k, v in clip_original(pipe.text_encoder).items()}
+    elif kind == "sd2":  # the OpenCLIP tower has one layer more, which SD 2.x never reads
+        tower = openclip_original(pipe.text_encoder, extra_layer=True)
+        out |= {f"cond_stage_model.model.{k}": v for k, v in tower.items()}
+    else:
+        out |= {f"conditioner.embedders.0.transformer.{k}": v for k, v in clip_original(pipe.text_encoder).items()}
+        tower = openclip_original(pipe.text_encoder_2)
+        out |= {f"conditioner.embedders.1.model.{k}": v for k, v in tower.items()}
     # Buffers the original training code saved beside the networks.
     out["alphas_cumprod"] = torch.linspace(1, 0.01, 1000)
     out["cond_stage_model.transformer.text_model.embeddings.position_ids"] = torch.arange(77)[None]
-    return {k: v.detach().contiguous() for k, v in out.items()}
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +157,62 @@ def sd1(tmp_path_factory):
     return folder, file
 
 
+def build_sdxl(tokenizer_dir: Path) -> StableDiffusionXLPipeline:
+    """A tiny SDXL: a CLIP (width 32) and an OpenCLIP with projection (width 48), a text_time UNet."""
+    vocab = write_tokenizer(tokenizer_dir, tiny_pipeline.WORDS)
+    ids = dict(vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
+    first = CLIPTextConfig(**CLIP_LAYOUTS["sd1"], **ids, pad_token_id=vocab - 1)
+    second = CLIPTextConfig(**CLIP_LAYOUTS["sd2"], **ids, pad_token_id=0, projection_dim=24)
+    time_dim = UNET_LAYOUTS["sdxl"]["addition_time_embed_dim"]
+    unet = dict(
+        UNET_LAYOUTS["sdxl"],
+        cross_attention_dim=first.hidden_size + second.hidden_size,
+        projection_class_embeddings_input_dim=second.projection_dim + 6 * time_dim,
+    )
+    return StableDiffusionXLPipeline(
+        vae=randomize(AutoencoderKL(**VAE_LAYOUT, scaling_factor=0.13025, force_upcast=True), 4, std=0.05),
+        text_encoder=randomize(CLIPTextModel(first), 1),
+        text_encoder_2=randomize(CLIPTextModelWithProjection(second), 2),
+        tokenizer=CLIPTokenizer.from_pretrained(str(tokenizer_dir)),
+        tokenizer_2=CLIPTokenizer.from_pretrained(str(tokenizer_dir), pad_token="!"),
+        unet=randomize(UNet2DConditionModel(**unet), 3),
+        scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
+        add_watermarker=False,
+    )
+
+
+@pytest.fixture(scope="module", params=["sd2", "sdxl"])
+def openclip_kind(request, tmp_path_factory):
+    """A tiny SD 2.x-v (OpenCLIP) or SDXL folder, its single file, and the kind."""
+    root = tmp_path_factory.mktemp(request.param)
+    folder = root / "folder"
+    if request.param == "sd2":
+        pipe = tiny_pipeline.write("sd2v", folder)
+    else:
+        build_sdxl(root / "tokenizer").save_pretrained(folder)
+        pipe = StableDiffusionXLPipeline.from_pretrained(folder)
+    file = root / f"tiny-{request.param}.safetensors"
+    save_file(to_original(pipe, request.param), file)
+    return folder, file, pipe, request.param
+
+
+def test_openclip_files_load_the_folders_weights_exactly(openclip_kind):
+    """SD 2.x and SDXL: the OpenCLIP tower split and renamed (SD 2.x's unread last layer and projection left
+    out), the same param tree as the folder's; and diffusers' from_single_file reads the file as the same networks,
+    so the converter above writes what diffusers reads."""
+    folder, file, pipe, kind = openclip_kind
+    assert_same_model(load_model_folder(file, "float32", config=folder), load_model_folder(folder, "float32"))
+    cls = StableDiffusionPipeline if kind == "sd2" else StableDiffusionXLPipeline
+    extra = dict(safety_checker=None, requires_safety_checker=False) if kind == "sd2" else {}
+    reference = cls.from_single_file(str(file), config=str(folder), **extra)
+    encoders = ["text_encoder"] + (["text_encoder_2"] if kind == "sdxl" else [])
+    for name in ["unet", "vae", *encoders]:
+        want, got = getattr(pipe, name).state_dict(), getattr(reference, name).state_dict()
+        assert want.keys() == got.keys(), name
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=f"{name}.{key}")
+
+
 def generate(engine, latents: np.ndarray) -> np.ndarray:
     result = engine.generate(
         PROMPT,
@@ -113,17 +222,15 @@ def generate(engine, latents: np.ndarray) -> np.ndarray:
         guidance_scale=6.0,
         height=SIZE,
         width=SIZE,
-        num_images=1,
+        num_images=len(latents),
         scheduler="ddim",
         latents=latents,
     )
     return result.arrays
 
 
-def test_sd1_file_loads_the_folders_weights_exactly(sd1):
-    """The same param tree, bit for bit, and the same configs: so the same pictures as the folder's."""
-    folder, file = sd1
-    from_file, from_folder = (load_model_folder(s, "float32", config=c) for s, c in ((file, folder), (folder, None)))
+def assert_same_model(from_file, from_folder) -> None:
+    """The same param tree, bit for bit, and the same configs: so the same pictures."""
     flat_file, flat_folder = (dict(nnx.to_flat_state(m.params)) for m in (from_file, from_folder))
     assert flat_file.keys() == flat_folder.keys()
     for path, var in flat_folder.items():
@@ -134,9 +241,14 @@ def test_sd1_file_loads_the_folders_weights_exactly(sd1):
     assert from_file.defaults == from_folder.defaults
 
 
+def test_sd1_file_loads_the_folders_weights_exactly(sd1):
+    folder, file = sd1
+    assert_same_model(load_model_folder(file, "float32", config=folder), load_model_folder(folder, "float32"))
+
+
 def test_sd1_file_draws_as_diffusers_from_single_file(sd1):
     folder, file = sd1
-    latents = np.random.default_rng(0).standard_normal((1, 4, SIZE // 8, SIZE // 8)).astype(np.float32)
+    latents = np.random.default_rng(0).standard_normal((2, 4, SIZE // 8, SIZE // 8)).astype(np.float32)
     got = generate(load_pipeline(file, config=folder, safety_checker=False), latents)
     assert got.std() > 0.01  # a real picture, not a constant that matches trivially
 
@@ -155,6 +267,7 @@ def test_sd1_file_draws_as_diffusers_from_single_file(sd1):
             latents=torch.from_numpy(latents),
             height=SIZE,
             width=SIZE,
+            num_images_per_prompt=len(latents),
             output_type="np",
         ).images
     assert np.abs(got - want).max() < 1 / 255
