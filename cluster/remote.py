@@ -87,6 +87,8 @@ class RemoteEngine:
         self.vae_name = d.vae_name
         self.safety_mode = d.safety_mode
         self.core_pairs = d.core_pairs  # the replicas' devices are core pairs
+        self.dtype = d.dtype
+        self.compute_path = d.compute_path  # one replica's, as all run the same settings
         self.label = f"{d.label} · Ray Serve cluster"
         self.defaults = dict(d.defaults)
         self.limits = d.limits

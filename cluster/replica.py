@@ -51,6 +51,8 @@ class Description:
     vae_name: str = "the model's own VAE"  # which VAE the replicas draw with
     safety_mode: str = "none"  # "on", "off" or "none" (the model ships no safety checker)
     core_pairs: bool = False  # each device is a pair of XLA CPU devices
+    dtype: str = "float32"  # the networks' dtype
+    compute_path: str = ""  # the dtype and what computes the products ("float32, XLA (avx2)"), for people
 
 
 def served_name(model: str | None) -> str:
@@ -125,6 +127,8 @@ class EngineReplica:
             vae_name=e.vae_name,
             safety_mode=e.safety_mode,
             core_pairs=e.core_pairs,
+            dtype=e.dtype,
+            compute_path=e.compute_path,
         )
 
     def activity(self) -> dict:

@@ -42,6 +42,8 @@ class EngineFace(Protocol):
     vae_name: str  # which VAE draws: "the model's own VAE", or the folder or Hub id given (a tiny one decodes fast)
     safety_mode: str  # "on", "off" (--no-safety-checker) or "none" (the model ships none)
     core_pairs: bool  # each device is a pair of XLA CPU devices
+    dtype: str  # the networks' dtype: "float32", "bfloat16" or "float16"
+    compute_path: str  # the dtype and what computes the products, for people: "float32, XLA (avx2)"
     example_prompts: list[str]  # the model's own examples; else the page's general ones
 
     # Warm-up

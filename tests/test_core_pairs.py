@@ -115,6 +115,8 @@ def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
     environ = {}  # this process's own environment stays as it is
     monkeypatch.setattr(pairs.os, "environ", environ)
     monkeypatch.setattr(pairs, "backends_started", lambda: False)
+    monkeypatch.setattr(pairs.cpus, "cgroup_quota", lambda *paths: None)  # no quota: the affinity mask counts
+    monkeypatch.setattr(pairs.cpus, "fit_threads", lambda: None)  # tests/test_cpus.py
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(pairs.onednn, "cpu_dtype", lambda: "float32")  # a host whose networks XLA runs itself
     assert pairs.pair_cores() and pairs.asked()
@@ -138,6 +140,10 @@ def test_pair_cores_asks_for_two_devices_only_where_it_may(monkeypatch):
     assert not pairs.pair_cores() and not environ
 
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pairs.cpus, "cgroup_quota", lambda *paths: 1.0)  # a container's quota of one CPU
+    assert not pairs.pair_cores() and not environ
+
+    monkeypatch.setattr(pairs.cpus, "cgroup_quota", lambda *paths: None)
     monkeypatch.setattr(pairs, "backends_started", lambda: True)  # too late: JAX has its devices
     assert not pairs.pair_cores() and not environ
 

@@ -1,14 +1,17 @@
-"""The CPU's bf16 path: oneDNN's matrix products and convolutions as XLA custom calls (engine/nn/onednn.py).
+"""The CPU's oneDNN kernels: matrix products and convolutions as XLA custom calls (engine/nn/onednn.py).
 
-Each kernel is compared with XLA computing the same products in f32 from the same bf16-rounded inputs: both
-accumulate exact bf16 products in f32, so they agree to f32 rounding. The whole engine in bf16 is compared with
-its f32 pictures (themselves equal to diffusers'). Skipped where the kernels cannot be built (no oneDNN, no
-compiler), unless JAX_SD_TEST_ONEDNN=required (CI), where that fails; skipped on a CPU without native bf16
-(AVX2 only, AVX-512 without BF16), for which oneDNN 2.x has no bf16 kernels at all.
+Each bf16 kernel is compared with XLA computing the same products in f32 from the same bf16-rounded inputs: both
+accumulate exact bf16 products in f32, so they agree to f32 rounding. The f32 kernels (the same calls with f32
+kernels, which layers take with JAX_SD_ONEDNN=1) equal XLA's f32 to f32 rounding. The whole engine in bf16 is compared
+with its f32 pictures (themselves equal to diffusers'). Skipped where the kernels cannot be built (no oneDNN, no
+compiler), unless JAX_SD_TEST_ONEDNN=required (CI), where that fails; the bf16 tests are skipped on a CPU without
+native bf16 (AVX2 only, AVX-512 without BF16), for which oneDNN 2.x has no bf16 kernels at all, and the f32 ones run
+on any x86-64 CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -23,13 +26,12 @@ from engine.nn import layers, onednn
 from engine.sampling import pairs
 
 
-def _kernels_or_skip() -> None:
-    if onednn.available():
+def _built_or_skip() -> None:
+    """Skips (or, under JAX_SD_TEST_ONEDNN=required, fails) where the kernels cannot be built and loaded."""
+    if onednn.registered():
         return
-    if not onednn.native_bf16():
-        pytest.skip(onednn.NO_NATIVE_BF16)  # also under JAX_SD_TEST_ONEDNN=required: nothing to build them for
     try:
-        reason = f"the oneDNN kernels are not built here: {onednn.build()}"
+        reason = f"the oneDNN kernels are not loaded here: {onednn.build()}"
     except RuntimeError as err:
         reason = str(err)
     if os.environ.get("JAX_SD_TEST_ONEDNN") == "required":
@@ -37,9 +39,24 @@ def _kernels_or_skip() -> None:
     pytest.skip(reason)
 
 
+def _kernels_or_skip() -> None:
+    if not onednn.native_bf16():
+        pytest.skip(onednn.NO_NATIVE_BF16)  # also under JAX_SD_TEST_ONEDNN=required: nothing to build them for
+    _built_or_skip()
+    assert onednn.available()
+
+
 @pytest.fixture
 def kernels():
+    """The bf16 kernels: a CPU with native bf16, the library built."""
     _kernels_or_skip()
+
+
+@pytest.fixture
+def f32_kernels(monkeypatch):
+    """The library built (any x86-64 CPU), and layers sending f32 to it (JAX_SD_ONEDNN=1)."""
+    _built_or_skip()
+    monkeypatch.setenv(onednn.SWITCH, "1")
 
 
 def exact(a: jax.Array) -> jax.Array:
@@ -161,10 +178,53 @@ def test_a_bf16_linear_runs_in_onednn_and_equals_the_f32_products(kernels, shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_f32_layers_keep_xla_s_own_kernels(kernels):
+def test_f32_layers_keep_xla_s_own_kernels(monkeypatch):
+    monkeypatch.delenv(onednn.SWITCH, raising=False)  # not asked for: XLA's f32 is as fast (bench/kernels_f32.py)
     conv, linear = layers.conv(8, 8, 3, nnx.Rngs(0)), layers.linear(8, 8, nnx.Rngs(0))
     x = jnp.ones((1, 4, 4, 8))
     assert "onednn" not in jax.jit(lambda x: linear(conv(x))).lower(x).as_text()
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, shape",
+    [
+        (3, 1, 1, (2, 17, 20, 64)),  # the UNet's and VAE's 3x3, odd sides
+        (3, 2, ((0, 1), (0, 1)), (1, 16, 12, 32)),  # the VAE encoder's downsample
+        (1, 1, 0, (2, 8, 8, 96)),  # a 1x1 shortcut
+    ],
+)
+def test_an_f32_conv_asked_for_runs_in_onednn_and_equals_xla_s(f32_kernels, kernel, stride, padding, shape):
+    conv = layers.conv(shape[-1], 40, kernel, nnx.Rngs(0), stride=stride, padding=padding)
+    x = jax.random.normal(jax.random.key(1), shape)
+    program = jax.jit(lambda x: conv(x))
+    assert onednn.CONV in program.lower(x).as_text()
+    got = program(x)
+    want = jax.lax.conv_general_dilated(
+        x, conv.kernel[...], conv.strides, conv.padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=jax.lax.Precision.HIGHEST,
+    ) + conv.bias[...]  # fmt: skip
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # f32 sums in another order
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 77, 64)])
+def test_an_f32_linear_asked_for_runs_in_onednn_and_equals_xla_s(f32_kernels, shape):
+    linear = layers.linear(64, 96, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), shape)
+    program = jax.jit(lambda x: linear(x))
+    assert onednn.MATMUL in program.lower(x).as_text()
+    got = program(x)
+    want = jnp.matmul(x, linear.kernel[...], precision=jax.lax.Precision.HIGHEST) + linear.bias[...]
+    assert got.dtype == jnp.float32 and got.shape == shape[:-1] + (96,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_asked_for_keeps_xla_s_own_norms_and_gates(f32_kernels):
+    # Our own f32 loops measured no faster than XLA's passes: only the products go to oneDNN.
+    norm, geglu = layers.group_norm(32, 8, 1e-5, nnx.Rngs(0)), layers.GEGLU(32, 16, nnx.Rngs(0))
+    x = jnp.ones((1, 4, 4, 32))
+    text = jax.jit(lambda x: geglu(norm(x, silu=True))).lower(x).as_text()
+    assert onednn.GROUP_NORM not in text and onednn.GEGLU not in text and onednn.MATMUL in text
 
 
 def test_devices_running_the_same_kernel_at_once_each_get_their_own_answer(kernels, tmp_path):
@@ -326,8 +386,10 @@ def test_the_cpu_runs_bf16_only_with_native_bf16_and_the_kernels(monkeypatch, na
 def test_bf16_through_onednn_asks_for_no_core_pairs(monkeypatch):
     monkeypatch.delenv(pairs.SWITCH, raising=False)
     monkeypatch.setattr(pairs, "backends_started", lambda: False)
+    monkeypatch.setattr(pairs.cpus, "fit_threads", lambda: None)
     monkeypatch.setattr(pairs.os, "sched_getaffinity", lambda _: {0, 1})
-    monkeypatch.setattr(onednn, "library", lambda: object())
+    monkeypatch.setattr(onednn, "native_bf16", lambda: True)
+    monkeypatch.setattr(onednn, "handlers", lambda: object())
     monkeypatch.setenv("XLA_FLAGS", "")
     assert pairs.pair_cores("bfloat16") is False
     assert pairs.DEVICE_COUNT_FLAG not in os.environ["XLA_FLAGS"]
@@ -379,3 +441,89 @@ def test_a_cpu_without_native_bf16_gets_no_kernels_whatever_is_installed(monkeyp
     monkeypatch.setattr(onednn, "native_bf16", lambda: False)
     monkeypatch.setattr(onednn, "build", lambda: pytest.fail("nothing is built for a CPU without native bf16"))
     assert onednn.library.__wrapped__() is None
+
+
+def _fake_onednn(monkeypatch, tmp_path, script: str) -> None:
+    """A oneDNN install of one header, and a compiler that runs `script` (sh) and logs each start."""
+    header = tmp_path / "include" / "oneapi" / "dnnl" / "dnnl_version.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#define DNNL_VERSION_MAJOR 2\n")
+    monkeypatch.setattr(onednn, "_find_onednn", lambda: (tmp_path / "include", tmp_path / "lib"))
+    compiler = tmp_path / "fake-c++"
+    compiler.write_text(f"#!/bin/sh\necho started >> {tmp_path}/starts\n{script}\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("JAX_SD_KERNEL_DIR", str(tmp_path / "kernels"))
+
+
+def _starts(tmp_path) -> int:
+    return len((tmp_path / "starts").read_text().splitlines())
+
+
+def test_a_failed_build_is_remembered_with_its_reason_and_not_retried(monkeypatch, tmp_path):
+    _fake_onednn(monkeypatch, tmp_path, "echo 'onednn.cc:1: error: no such thing' >&2; exit 1")
+    with pytest.raises(RuntimeError, match="failed: onednn.cc:1: error: no such thing"):
+        onednn.build()
+    (marker,) = (tmp_path / "kernels").glob("*.failed")
+    assert "no such thing" in marker.read_text()
+    with pytest.raises(RuntimeError, match="no such thing.*an earlier start"):
+        onednn.build()
+    assert _starts(tmp_path) == 1  # not run again
+    marker.unlink()  # what the message says to do
+    with pytest.raises(RuntimeError, match="no such thing"):
+        onednn.build()
+    assert _starts(tmp_path) == 2
+
+
+def test_a_build_past_its_timeout_is_stopped_and_remembered(monkeypatch, tmp_path):
+    _fake_onednn(monkeypatch, tmp_path, "sleep 30")  # a child of the compiler's that holds its output open
+    monkeypatch.setenv(onednn.BUILD_TIMEOUT, "0.5")
+    with pytest.raises(RuntimeError, match=f"took over 0.5 s \\({onednn.BUILD_TIMEOUT}\\)"):
+        onednn.build()
+    with pytest.raises(RuntimeError, match="took over 0.5 s.*an earlier start"):
+        onednn.build()
+    assert _starts(tmp_path) == 1
+
+
+@pytest.mark.parametrize(
+    "native, switch, level", [(True, None, "WARNING"), (False, "1", "WARNING"), (True, "0", "INFO")]
+)
+def test_kernels_off_are_said_at_warning_where_they_would_serve_with_the_fix(
+    monkeypatch, caplog, native, switch, level
+):
+    monkeypatch.setattr(onednn, "native_bf16", lambda: native)
+    if switch is None:
+        monkeypatch.delenv(onednn.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(onednn.SWITCH, switch)
+
+    def missing():
+        raise RuntimeError("no oneDNN under /usr")
+
+    monkeypatch.setattr(onednn, "build", missing)
+    with caplog.at_level(logging.INFO, logger=onednn.log.name):
+        assert onednn.handlers.__wrapped__() is None
+    (record,) = [r for r in caplog.records if r.name == onednn.log.name]
+    assert record.levelname == level
+    if level == "WARNING":
+        assert "no oneDNN under /usr" in record.getMessage() and onednn.FIX in record.getMessage()
+    else:
+        assert f"{onednn.SWITCH}=0" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "dtype, backend, native, served, want",
+    [
+        ("bfloat16", "cpu", True, True, "bfloat16, oneDNN's bf16 kernels"),
+        ("bfloat16", "cpu", False, False, "bfloat16, XLA (avx2, no native bfloat16: slower than float32 here)"),
+        ("float32", "cpu", False, False, "float32, XLA (avx2)"),
+        ("float32", "cpu", False, True, "float32, oneDNN's f32 kernels (avx2)"),
+        ("bfloat16", "gpu", False, False, "bfloat16, XLA on gpu"),
+    ],
+)
+def test_the_compute_path_names_the_dtype_and_what_computes(monkeypatch, dtype, backend, native, served, want):
+    monkeypatch.setattr(onednn, "native_bf16", lambda: native)
+    monkeypatch.setattr(onednn, "vector_isa", lambda: "avx512_bf16" if native else "avx2")
+    monkeypatch.setattr(onednn, "serves", lambda kernel_dtype: served and jnp.dtype(kernel_dtype) == jnp.dtype(dtype))
+    assert onednn.compute_path(dtype, backend).startswith(want)
+    assert onednn.slow_half(dtype, backend) == ("slower" in want)

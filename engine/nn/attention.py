@@ -128,7 +128,7 @@ def attention_kind(backend: str, q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruc
         return "cudnn"
     if backend == "tpu" and min(n, m) >= FLASH_MIN_TOKENS:
         return "flash"
-    if backend == "cpu" and q.dtype == jnp.bfloat16 and onednn.available():
+    if backend == "cpu" and q.dtype == jnp.bfloat16 and onednn.serves(q.dtype):
         return "onednn"
     if backend == "cpu" and 4 * b * h * n * m > CPU_LOGITS_BYTES and query_block(q.shape, m) < n:
         return "blocks"

@@ -1,7 +1,11 @@
 // Vector loops of our own beside oneDNN's primitives (engine/nn/onednn.py builds them into one library with
 // onednn.cc): attention's softmax rows, and two XLA FFI handlers where XLA's bf16 elementwise passes are slowest,
 // GroupNorm + SiLU (the ResNet blocks') and GEGLU's exact-GELU gate (the transformer blocks').
+// GCC 12 warns of an uninitialised variable inside its own AVX-512 intrinsics (its bug 105593, fixed in 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <cmath>
@@ -144,7 +148,7 @@ ffi::Error GroupNormImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer 
       scale.element_type() != ffi::DataType::F32 || bias.element_type() != ffi::DataType::F32 || xd.size() != 3)
     return ffi::Error::InvalidArgument("onednn_group_norm takes bf16 or f32 x [B, P, C] and f32 scale and bias");
   const int64_t b = xd[0], p = xd[1], c = xd[2];
-  if (groups <= 0 || c % groups || scale.element_count() != c || bias.element_count() != c)
+  if (groups <= 0 || c % groups || int64_t(scale.element_count()) != c || int64_t(bias.element_count()) != c)
     return ffi::Error::InvalidArgument("onednn_group_norm: the channels must split into the groups evenly");
   const int64_t per_group = c / groups;
   const int64_t chunk = 256, chunks = (p + chunk - 1) / chunk;  // pixels a thread takes at once

@@ -115,7 +115,7 @@ class Conv(nnx.Conv):
             and self.strides in (None, 1, (1, 1))
             and tuple(map(tuple, self.padding)) == ((1, 1), (1, 1))
         )
-        if plain and onednn.serves(kernel.dtype):
+        if plain and kernel.dtype == jnp.bfloat16 and onednn.serves(kernel.dtype):  # phase kernels in bf16 only
             bias = self.bias[...] if self.bias is not None else None
             return onednn.upsample_conv(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
         return self(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
@@ -166,7 +166,7 @@ class GroupNorm(nnx.GroupNorm):
     def __call__(self, x: jax.Array, silu: bool = False) -> jax.Array:  # [batch, ..., channels] -> the same
         """GroupNorm, then SiLU where `silu`. bf16 on the CPU is one oneDNN-side call, 4.5x XLA's passes
         (onednn.group_norm: [1, 64, 64, 320] 1.84 -> 0.41 ms on 2 Zen 4 cores)."""
-        if onednn.serves(x.dtype):
+        if x.dtype == jnp.bfloat16 and onednn.serves(x.dtype):  # f32: no faster than XLA's (bench/kernels_f32.py)
             return onednn.group_norm(x, self.scale[...], self.bias[...], self.num_groups, self.epsilon, silu)
         b, c = x.shape[0], x.shape[-1]
         per_group = c // self.num_groups
@@ -283,7 +283,7 @@ class GEGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.proj(x)
-        if onednn.serves(y.dtype):
+        if y.dtype == jnp.bfloat16 and onednn.serves(y.dtype):
             return onednn.geglu(y)  # bf16 on the CPU: one pass, 2.6x XLA's erf
         hidden, gate = jnp.split(y, 2, axis=-1)
         return hidden * jax.nn.gelu(gate, approximate=False)

@@ -28,6 +28,7 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .. import cpus
 from ..nn import onednn
 
 DATA, PAIR = "data", "pair"  # the mesh's axes: slots over data groups, a group's core pair
@@ -39,15 +40,18 @@ def pair_cores(dtype: str | None = None) -> bool:
     """Asks XLA for two CPU devices where that helps: a host with 2 or more cores, the CPU platform, no
     device count chosen already, JAX_SD_CORE_PAIRS not "0", and networks that XLA runs itself (`dtype`, the
     engine's: None for JAX_SD_DTYPE or the host's choice; bf16 through oneDNN takes no pair). Call before JAX
-    starts its backends. Returns whether this process runs core pairs (`asked()`)."""
+    starts its backends: it also sizes the process's thread pools to its CPU quota first (`cpus.fit_threads`).
+    Returns whether this process runs core pairs (`asked()`)."""
+    if not backends_started():
+        cpus.fit_threads()
     flags = os.environ.get("XLA_FLAGS", "")
     platforms = os.environ.get("JAX_PLATFORMS") or "cpu"
     if os.environ.get(SWITCH) == "0" or DEVICE_COUNT_FLAG in flags or "cpu" not in platforms.split(","):
         return asked()
     dtype = dtype or os.environ.get("JAX_SD_DTYPE") or onednn.cpu_dtype()
-    if dtype == "bfloat16" and onednn.library() is not None:
+    if onednn.kernels_for(dtype):
         return False
-    if len(os.sched_getaffinity(0)) < 2 or backends_started():
+    if cpus.usable_cpus() < 2 or backends_started():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}=2".strip()
     os.environ[SWITCH] = "1"
