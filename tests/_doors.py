@@ -40,10 +40,10 @@ def doors(site) -> dict[str, Any]:
     with TestClient(site) as client:
         schemas = client.get("/openapi.json").json()["components"]["schemas"]
         mcp = client.get("/gradio_api/mcp/schema").json()
-    from web.openai_images import EditsBody
+    from web.openai_images import body_models
 
     bodies = {name: schemas[name] for name in ("Txt2ImgRequest", "Img2ImgRequest", "GenerationsBody")}
-    bodies["EditsBody"] = EditsBody.model_json_schema()
+    bodies["EditsBody"] = body_models()[1].model_json_schema()  # multipart: not in /openapi.json
     return {
         "page": page_controls(demo),
         "generate": generate_parameters(demo),
