@@ -626,3 +626,18 @@ def test_the_web_app_serves_the_page_at_its_root_with_the_queue_and_log_in_asked
     assert mount.app.get_blocks() is demo
     assert demo._queue.max_size == 3 and demo.auth == [("ann", "secret")] and not demo.show_error
     assert {fn.concurrency_limit for fn in demo.fns.values() if fn.api_name == page.API_NAME} == {5}
+
+
+def test_the_status_line_and_a1111s_options_say_what_computes_the_pictures():
+    from fastapi.testclient import TestClient
+
+    import web
+
+    class Computed(FakeEngine):
+        dtype = "float32"
+        compute_path = "float32, XLA (avx2)"
+
+    assert "computed in float32, XLA (avx2)" in handlers.status_line(Computed())
+    with TestClient(web.build_app(Computed())) as client:
+        options = client.get("/sdapi/v1/options").json()
+    assert (options["jax_sd_dtype"], options["jax_sd_compute_path"]) == ("float32", "float32, XLA (avx2)")

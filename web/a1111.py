@@ -278,6 +278,9 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
             "sd_vae": "Automatic",
             "CLIP_stop_at_last_layers": 1,
             "samples_format": "png",
+            # Ours, beside A1111's: the networks' dtype and what computes them on this server ("float32, XLA (avx2)").
+            "jax_sd_dtype": getattr(pipe, "dtype", None),
+            "jax_sd_compute_path": getattr(pipe, "compute_path", None),
         }
 
     @router.post("/options")

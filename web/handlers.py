@@ -72,6 +72,8 @@ def status_line(pipe: engine.EngineFace) -> str:
     n = len(pipe.devices)
     unit = "core pair" if getattr(pipe, "core_pairs", False) else "device"
     where = f"`{pipe.model_name}` on {n} {unit}{'s' if n != 1 else ''} ({', '.join(pipe.devices)})"
+    computed = getattr(pipe, "compute_path", None)  # "float32, XLA (avx2)": the dtype and what computes it
+    where += f", computed in {computed}" if computed else ""
     slots = f"{pipe.batch_size} pictures drawn at once"
     state = pipe.warmup_state
     if not pipe.ready:

@@ -15,7 +15,6 @@ the CPU backend's `device_put` wants it to use the array in place instead of cop
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -27,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ..cpus import usable_cpus
 from ..errors import WeightsError
 from ..nn.layers import shapes_only
 
@@ -65,7 +65,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": np.bool_,
 }
 ALIGNMENT = 64  # bytes: XLA's CPU backend takes a host array in place when it is aligned this far
-LOAD_THREADS = min(8, os.cpu_count() or 1)
+LOAD_THREADS = min(8, usable_cpus())  # the CPUs this process may use (its cgroup's quota, its affinity)
 
 
 def checkpoint_name(path: tuple) -> str:
