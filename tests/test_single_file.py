@@ -24,6 +24,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
+from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 from flax import nnx
 from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize
 from safetensors.torch import save_file
@@ -32,6 +33,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 from engine import load_pipeline
 from engine.errors import ConfigError, SourceError
 from engine.families.loader import load_model_folder
+from engine.families.single_file import detect
+from engine.loading.weights import map_safetensors
 from tools.tiny_tokenizer import write_tokenizer
 
 SIZE, STEPS = 64, 4  # test_pipeline.py's sd1/ddim case: its compiled programs serve this one in a full run
@@ -335,3 +338,35 @@ def test_a_file_of_unknown_layout_is_refused_with_what_it_holds(tmp_path):
     save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(4)}, flux)
     with pytest.raises(SourceError, match="a FLUX.1 transformer single file"):
         load_pipeline(flux, safety_checker=False)
+
+
+def test_a_ckpt_is_read_through_the_safe_reader(sd1, tmp_path):
+    """The same networks as a Lightning .ckpt (`state_dict` beside the training state): the same param tree."""
+    folder, file = sd1
+    ckpt = tmp_path / "tiny-sd1.ckpt"
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in map_safetensors(file).items()}
+    torch.save({"state_dict": tensors, "global_step": 470000, "epoch": 3}, ckpt)
+    assert_same_model(
+        load_model_folder(ckpt, "float32", config=folder), load_model_folder(file, "float32", config=folder)
+    )
+
+
+@pytest.mark.parametrize(
+    "keys, kind, inpainting",
+    [
+        ({"cond_stage_model.transformer.text_model.final_layer_norm.weight": (8,)}, "v1", False),
+        ({"cond_stage_model.model.token_embedding.weight": (10, 8)}, "v2", False),
+        ({"conditioner.embedders.1.model.positional_embedding": (77, 8)}, "xl_base", False),
+        ({"cond_stage_model.transformer.text_model.final_layer_norm.weight": (8,)}, "v1", True),
+    ],
+)
+def test_the_kind_comes_from_the_keys(keys, kind, inpainting):
+    channels = 9 if inpainting else 4
+    tensors = {k: np.zeros(shape, np.float16) for k, shape in keys.items()}
+    tensors["model.diffusion_model.input_blocks.0.0.weight"] = np.zeros((32, channels, 3, 3), np.float16)
+    found, found_inpainting = detect(tensors, "file")
+    assert (found.name, found_inpainting) == (kind, inpainting)
+    repo = found.inpainting_repo if inpainting else found.repo  # diffusers' choice for the kind without config=
+    assert (
+        repo == DIFFUSERS_DEFAULT_PIPELINE_PATHS["inpainting" if inpainting else kind]["pretrained_model_name_or_path"]
+    )
