@@ -1,5 +1,6 @@
 """Reading what people publish: model sources (folders, the Hub, the embedded default), safetensors memory-mapped
-and converted strictly into our layout, tokenizers, VAEs, ControlNets, LoRAs (every key layout) and safety checkers.
+and converted strictly into our layout, PyTorch pickles read without running them, the original (LDM) layout's
+tensor names renamed to diffusers', tokenizers, VAEs, ControlNets, LoRAs (every key layout) and safety checkers.
 
 Nothing here knows a model family: a folder is components with configs and tensors; `engine/families/` says what
 a family's folder must hold and builds it.
