@@ -174,13 +174,14 @@ class Limits:
         if not _number(g) or not math.isfinite(g) or not low <= g <= high:
             raise InvalidRequest(f"guidance scale must be a number from {low:g} to {high:g}, got {g!r}")
         m = self.side_multiple
+        offered = None if self.sizes is None else ", ".join(size_label(w, h) for w, h in self.sizes)
         for name, side in (("height", r.height), ("width", r.width)):
             if not _whole(side) or side % m or not self.min_side <= side <= self.max_side:
+                choose = f"; choose one of the sizes offered here: {offered}" if offered else ""
                 raise InvalidRequest(
-                    f"{name} must be a multiple of {m} from {self.min_side} to {self.max_side}, got {side!r}"
+                    f"{name} must be a multiple of {m} from {self.min_side} to {self.max_side}, got {side!r}{choose}"
                 )
         if self.sizes is not None and (r.width, r.height) not in self.sizes:
-            offered = ", ".join(size_label(w, h) for w, h in self.sizes)
             raise InvalidRequest(f"size {size_label(r.width, r.height)} is not offered here; choose one of {offered}")
         if not _whole(r.num_images) or not 1 <= r.num_images <= self.max_images:
             raise InvalidRequest(f"number of images must be from 1 to {self.max_images}, got {r.num_images!r}")

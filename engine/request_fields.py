@@ -195,6 +195,7 @@ FIELDS: tuple[RequestField, ...] = (
         0.0,
         "the sampler's stochasticity: DDIM's eta (0: deterministic), TCD's gamma; the others take none.",
         range="eta_range",
+        a1111="eta",
         png="Eta",
         png_by_scheduler=(("ddim", "Eta DDIM"),),  # A1111's `eta_infotext_field` for DDIM
         openai="eta",

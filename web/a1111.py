@@ -4,7 +4,9 @@ package and the many tools that speak it. Read A1111's `modules/api/api.py` for 
 - `txt2img` / `img2img`: one engine request of `batch_size x n_iter` pictures (seeds seed, seed+1, ...); A1111's
   sampler and scheduler names, clip skip and `<lora:name:weight>` prompt tags are read in `names.py`. An
   interrupted request answers with no pictures and `"interrupted": true` in its info, as A1111 answers 200.
-- `progress` / `interrupt`: about the caller's own running API requests (`api_common.ApiJobs`), not the server's;
+- `png-info`: a picture's recipe, read as A1111 reads it.
+- `progress` / `interrupt` / `skip`: about the caller's own running API requests (`skip` stops them as `interrupt`
+  does: A1111 skips the picture of a batch it is drawing, and here a batch's pictures are drawn together) (`api_common.ApiJobs`), not the server's;
   no preview when callers cannot be told apart (anonymous behind a proxy that is not trusted: callers.py).
 - `sd-models` / `options`: the one model the server was started with. Setting `sd_model_checkpoint` to it is
   accepted; to any other is refused (422): the server never switches models for a client. Other options are
@@ -26,7 +28,7 @@ from PIL import Image, ImageOps
 
 import engine
 from engine import request_fields
-from engine.compat.pnginfo import GenerationParameters, format_parameters
+from engine.compat.pnginfo import CHUNK_KEY, GenerationParameters, format_parameters, infotext_items, png_info
 
 from . import names
 from .a1111_models import (
@@ -34,6 +36,8 @@ from .a1111_models import (
     ImagesResponse,
     Img2ImgRequest,
     LoraItem,
+    PNGInfoRequest,
+    PNGInfoResponse,
     ProgressResponse,
     ProgressState,
     SamplerItem,
@@ -86,17 +90,57 @@ def _binary_mask(mask: Image.Image, invert: bool) -> Image.Image:
     return ImageOps.invert(mask) if invert else mask
 
 
+RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill", 3: "just resize (latent upscale)"}
+
+
+def resized(image: Image.Image, size: tuple[int, int] | None, mode: int, fill_edges: bool = True) -> Image.Image:
+    """A1111's `resize_image`: the picture at `size` (width, height) by `resize_mode`; no size: as it is.
+    1 covers the size and crops the middle; 2 fits inside it and, for a picture, stretches its edge rows and
+    columns into the bands left over (a mask's bands stay black: nothing there is repainted)."""
+    if size is None or image.size == size:
+        return image
+    if mode in (0, 3):
+        return image.resize(size, Image.Resampling.LANCZOS)
+    (w, h), (iw, ih) = size, image.size
+    ratio = w / h
+    if mode == 1:
+        sw, sh = (w, round(w * ih / iw)) if ratio > iw / ih else (round(h * iw / ih), h)
+        scaled = image.resize((sw, sh), Image.Resampling.LANCZOS)
+        left, top = (sw - w) // 2, (sh - h) // 2
+        return scaled.crop((left, top, left + w, top + h))
+    sw, sh = (round(h * iw / ih), h) if ratio > iw / ih else (w, round(w * ih / iw))
+    scaled = image.resize((sw, sh), Image.Resampling.LANCZOS)
+    out = Image.new(image.mode, size)
+    left, top = (w - sw) // 2, (h - sh) // 2
+    out.paste(scaled, (left, top))
+    if fill_edges and sw < w:  # the side bands: the first and last columns, stretched
+        out.paste(scaled.crop((0, 0, 1, sh)).resize((left, sh)), (0, top))
+        out.paste(scaled.crop((sw - 1, 0, sw, sh)).resize((w - sw - left, sh)), (left + sw, top))
+    if fill_edges and sh < h:  # the top and bottom bands: the first and last rows, stretched
+        out.paste(scaled.crop((0, 0, sw, 1)).resize((sw, top)), (left, 0))
+        out.paste(scaled.crop((0, sh - 1, sw, sh)).resize((sw, h - sh - top)), (left, top + sh))
+    return out
+
+
 def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
-    """The request's image (and mask) from img2img's base64 fields; sizes checked before pixels are read."""
+    """The request's image (and mask) from img2img's base64 fields, resized by `resize_mode` to the body's size
+    when it gives one; sizes checked before pixels are read."""
     if not body.init_images:
         raise _refuse("img2img needs init_images: a list with one base64 picture")
     if len(body.init_images) > 1:
         raise _refuse("img2img draws from one init image per request here; send each picture in its own request")
+    if body.resize_mode not in RESIZE_MODES:
+        modes = ", ".join(f"{k} ({name})" for k, name in RESIZE_MODES.items())
+        raise _refuse(f"resize_mode must be one of {modes}, not {body.resize_mode!r}")
     image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", max_pixels)
-    fields: dict[str, Any] = {"image": opaque(image)}
+    size = (body.width, body.height) if body.width and body.height else None
+    fields: dict[str, Any] = {"image": resized(opaque(image), size, body.resize_mode)}
     if body.mask:
         mask = read_picture(decode_base64(body.mask, "mask"), "mask", max_pixels)
-        fields["mask_image"] = _binary_mask(mask, bool(body.inpainting_mask_invert))
+        mask = _binary_mask(mask, bool(body.inpainting_mask_invert))
+        if mask.size == image.size:  # else the engine refuses the pair by name, sizes and all
+            mask = resized(mask, size, body.resize_mode, fill_edges=False)
+        fields["mask_image"] = mask
     return fields
 
 
@@ -136,6 +180,17 @@ def build_request(
         lora_scales=loras,
         **body_values(body),
         **(pictures or {}),
+    )
+
+
+def read_png_info(image: str, max_pixels: int) -> PNGInfoResponse:
+    """A1111's `/png-info`: the picture's "parameters" text, its other text chunks, and the parameters read."""
+    picture = read_picture(decode_base64(image, "image"), "image", max_pixels)
+    text = picture.info.get(CHUNK_KEY)
+    items = {key: value for key, value in picture.info.items() if key != CHUNK_KEY and isinstance(value, str)}
+    params = png_info(picture)
+    return PNGInfoResponse(
+        info=text if isinstance(text, str) else "", items=items, parameters=infotext_items(params) if params else {}
     )
 
 
@@ -264,6 +319,15 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
     async def interrupt(http: Request):
         jobs.interrupt(caller_of(http))
         return {}
+
+    @router.post("/skip")
+    async def skip(http: Request):
+        jobs.interrupt(caller_of(http))
+        return {}
+
+    @router.post("/png-info", response_model=PNGInfoResponse)
+    async def png_information(body: PNGInfoRequest):
+        return await asyncio.to_thread(read_png_info, body.image, max_pixels)
 
     @router.get("/sd-models", response_model=list[SDModelItem])
     async def sd_models():

@@ -37,6 +37,9 @@ class _Txt2ImgOwn(_Body):
 
 class _Img2ImgOwn(_Body):
     init_images: list[str] | None = None  # base64 pictures, with or without a data: prefix; one is drawn from
+    # 0: just resize, 1: crop and resize (cover, centred), 2: resize and fill (fit, the edges stretched into the
+    # rest), 3: just resize (A1111 resizes the latents; here the picture); to width x height when they are given.
+    resize_mode: int = 0
     mask: str | None = None  # base64; white: repaint (its alpha, when it has transparent pixels)
     inpainting_mask_invert: int = 0  # 1: black repaints
     include_init_images: bool = False
@@ -66,6 +69,16 @@ def body_models() -> tuple[type[BaseModel], type[BaseModel]]:
 
 
 Txt2ImgRequest, Img2ImgRequest = body_models()
+
+
+class PNGInfoRequest(_Body):
+    image: str  # a base64 PNG (or JPEG / WebP), with or without a data: prefix
+
+
+class PNGInfoResponse(BaseModel):
+    info: str = Field(description="the picture's 'parameters' text, as written")
+    items: dict[str, Any] = Field(description="the picture's other text chunks")
+    parameters: dict[str, Any] = Field(description="the parameters read: Prompt, Negative prompt, Steps, ...")
 
 
 class ImagesResponse(BaseModel):

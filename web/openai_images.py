@@ -1,7 +1,12 @@
 """OpenAI's Images API (`/v1/images/generations`, `/v1/images/edits`) over the engine, for the `openai` client,
 Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
 
-- `model` is accepted whatever it names: the server draws with its own model.
+- `model` is accepted whatever it names ("dall-e-3", "gpt-image-1", ...): the server draws with its own model, the
+  one `/v1/models` lists.
+- `output_format`: "png" (the default; the picture carries its recipe), "jpeg" or "webp", at `output_compression`
+  (0-100, default 100). `quality` and `style` are accepted and change nothing (the model's steps and guidance are
+  ours to set: `num_inference_steps`, `guidance_scale`); `background` "auto" or "opaque" (every picture is), and
+  "transparent" is refused by name.
 - `size` is "WIDTHxHEIGHT" (a size the server does not offer is refused with the list), or "auto" / none for
   the model's own; `n` pictures get seeds seed, seed+1, ...
 - Our request's own names ride along as extra body fields: `negative_prompt`, `seed`, `num_inference_steps`,
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import secrets
 import time
 from collections import OrderedDict
@@ -27,6 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 import engine
@@ -41,6 +48,32 @@ from .requests import api_request
 LINK_TTL_S = 600.0
 LINK_MAX_BYTES = 128 * 2**20
 FORMATS = ("b64_json", "url")
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's name -> PIL's
+
+
+def encoded(png: bytes, output_format: str, compression: int) -> bytes:
+    """The picture as OpenAI's `output_format` asks: the PNG as it is (with its recipe), or JPEG / WebP."""
+    if output_format == "png":
+        return png
+    buffer = io.BytesIO()
+    with Image.open(io.BytesIO(png)) as image:
+        image.convert("RGB").save(buffer, format=OUTPUT_FORMATS[output_format], quality=compression)
+    return buffer.getvalue()
+
+
+def _check_output(body: BaseModel) -> tuple[str, int]:
+    output_format = (body.output_format or "png").lower()
+    if output_format not in OUTPUT_FORMATS:
+        formats = ", ".join(OUTPUT_FORMATS)
+        raise ApiError(400, f"output_format must be one of {formats}", code="invalid_value", param="output_format")
+    compression = 100 if body.output_compression is None else body.output_compression
+    if not 0 <= compression <= 100:
+        raise ApiError(
+            400, "output_compression must be from 0 to 100", code="invalid_value", param="output_compression"
+        )
+    if (body.background or "auto").lower() not in ("auto", "opaque"):
+        raise ApiError(400, "background must be auto or opaque: pictures here have no transparency", param="background")
+    return output_format, compression
 
 
 class _GenerationsOwn(BaseModel):
@@ -53,6 +86,11 @@ class _GenerationsOwn(BaseModel):
     size: str | None = None
     response_format: str | None = None
     model: str | None = None
+    output_format: str | None = None  # "png", "jpeg" or "webp"
+    output_compression: int | None = None  # 0-100, for jpeg and webp
+    quality: str | None = None  # accepted, changes nothing
+    style: str | None = None  # accepted, changes nothing
+    background: str | None = None  # "auto" or "opaque"; "transparent" is refused
 
 
 # The request fields OpenAI's door reads its own way: the prompt (its `<lora:...>` tags), `size`, `n`.
@@ -109,8 +147,8 @@ class PictureLinks:
         ):
             self._files.popitem(last=False)
 
-    def add(self, png: bytes) -> str:
-        name = f"{secrets.token_urlsafe(24)}.png"
+    def add(self, png: bytes, output_format: str = "png") -> str:
+        name = f"{secrets.token_urlsafe(24)}.{output_format}"
         self._files[name] = (time.monotonic() + self.ttl_s, png)
         self._expire()
         return name
@@ -145,6 +183,7 @@ async def draw(
         )
     if not body.prompt.strip():
         raise ApiError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+    output_format, compression = _check_output(body)
     prompt, loras = names.take_loras(body.prompt)
     width, height = names.openai_size(body.size)
     request = api_request(
@@ -164,7 +203,7 @@ async def draw(
     if job.error is not None:
         raise internal_error(job.error, "OpenAI API")
     pngs = await asyncio.to_thread(result_pngs, job.result, pipe.model_name)
-    kept = [png for png, _, withheld in pngs if not withheld]
+    kept = [encoded(png, output_format, compression) for png, _, withheld in pngs if not withheld]
     if not kept:
         raise ApiError(
             400,
@@ -173,11 +212,15 @@ async def draw(
         )
     revised = {"revised_prompt": prompt} if prompt != body.prompt else {}
     if response_format == "url":
-        data = [{"url": str(http.url_for("openai_image_file", name=links.add(png))), **revised} for png in kept]
+        data = [
+            {"url": str(http.url_for("openai_image_file", name=links.add(png, output_format))), **revised}
+            for png in kept
+        ]
     else:
         data = [{"b64_json": b64(png), **revised} for png in kept]
     r = job.result.request or job.request
-    return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{r.width}x{r.height}"}
+    size = f"{r.width}x{r.height}"
+    return {"created": int(time.time()), "data": data, "output_format": output_format, "size": size}
 
 
 async def _read_edit_form(http: Request, model: type[BaseModel]) -> tuple[BaseModel, bytes, bytes | None]:
@@ -221,9 +264,18 @@ def openai_router(
 
     @router.get("/images/files/{name}", name="openai_image_file")
     async def image_file(name: str):
-        png = links.get(name)
-        if png is None:
+        picture = links.get(name)
+        if picture is None:
             raise ApiError(404, "no such picture here (links last a few minutes)", code="not_found")
-        return Response(png, media_type="image/png", headers={"Cache-Control": "private, max-age=600"})
+        kind = name.rsplit(".", 1)[-1]
+        return Response(picture, media_type=f"image/{kind}", headers={"Cache-Control": "private, max-age=600"})
+
+    @router.get("/models")
+    async def models():
+        """The model this server draws with, as OpenAI's model list."""
+        return {
+            "object": "list",
+            "data": [{"id": pipe.model_name, "object": "model", "created": 0, "owned_by": "jax-sd"}],
+        }
 
     return router

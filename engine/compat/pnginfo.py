@@ -313,6 +313,15 @@ def parse_parameters(text: str) -> GenerationParameters:
     )
 
 
+def infotext_items(params: GenerationParameters) -> dict[str, str]:
+    """The recipe as A1111's `/png-info` gives its `parameters`: "Prompt", "Negative prompt", then each key of the
+    settings line with its value as text."""
+    text = format_parameters(params)
+    last = text.rsplit("\n", 1)[-1]
+    pairs = {key: _unquote(value) if value.startswith('"') else value for key, value in _PARAM.findall(last)}
+    return {"Prompt": params.prompt, "Negative prompt": params.negative_prompt, **pairs}
+
+
 def save_png(image: Image.Image, target: str | PathLike | IO[bytes], params: GenerationParameters) -> None:
     """Writes `image` as a PNG with the "parameters" chunk (tEXt, or iTXt for text beyond Latin-1)."""
     info = PngInfo()
