@@ -33,7 +33,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model",
         default=os.environ.get("MODEL_ID") or None,
-        help="Hub id or local diffusers folder (env MODEL_ID); default: the embedded model",
+        help="Hub id, local diffusers folder, or a single-file checkpoint (FILE.safetensors or .ckpt in the original "
+        "SD 1.x / 2.x / SDXL layout; env MODEL_ID); default: the embedded model",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="for a single-file --model: the diffusers folder or Hub id of the same kind whose configs, tokenizers and "
+        "scheduler it uses (default: the Hub repo diffusers uses for its kind)",
+    )
+    parser.add_argument(
+        "--prediction-type",
+        choices=("epsilon", "v_prediction"),
+        default=None,
+        help="for a single-file --model: what its UNet predicts (SD 2.x 768 files: v_prediction), over a .yaml "
+        "beside the file and the config's scheduler",
     )
     parser.add_argument(
         "--host",
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         vae=args.vae,
         quantize=args.quantize,
         t5=args.t5,
+        config=args.config,
+        prediction_type=args.prediction_type,
     )
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))

@@ -278,6 +278,11 @@ def test_demo_exposes_a_stable_api_name():
             },
         ),
         (["--model", "/models/sd15"], {"MODEL_ID": "ignored/by-the-flag"}, {"model": "/models/sd15"}),
+        (
+            ["--model", "/models/dreamshaper.safetensors", "--config", "/models/sd15", "--prediction-type", "epsilon"],
+            {},
+            {"model": "/models/dreamshaper.safetensors", "config": "/models/sd15", "prediction_type": "epsilon"},
+        ),
     ],
 )
 def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv, env, expected):
