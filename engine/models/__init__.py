@@ -1,7 +1,8 @@
 """The networks, one file each, in Flax NNX: CLIP text and vision encoders, T5 v1.1, the UNet, the MMDiT
 transformers of SD3 (`transformer_sd3.py`) and FLUX.1 (`transformer_flux.py`), the KL VAE, the tiny autoencoder
-(TAESD), the ControlNet and the safety checker. `config.py` holds the frozen configs of the UNet, VAE and CLIP;
-T5's and the transformers' sit beside their models. Field names are copied from each folder's `config.json`.
+(TAESD), the ControlNet, the safety checker, and the upscalers RRDBNet and SRVGGNetCompact (`upscalers.py`, named
+after Real-ESRGAN's keys). `config.py` holds the frozen configs of the UNet, VAE and CLIP; T5's, the transformers'
+and the upscalers' sit beside their models. Field names are copied from each folder's `config.json`.
 
 Module attribute paths mirror the diffusers key paths, so loading weights is one table (`loading/weights.py`).
 A network knows nothing of families, requests or devices.
