@@ -309,7 +309,9 @@ def test_tiles_equal_the_whole_picture(tmp_path, make, tile):
     loaded = ours(tmp_path, numpy_state(seeded(make)))
     picture = pixels(53, 71)
     whole = run_network(loaded, picture, tile=1024)
-    tiled = run_network(loaded, picture, tile=tile, overlap=loaded.config.receptive_radius)
+    heard = []
+    tiled = run_network(loaded, picture, tile, loaded.config.receptive_radius, lambda *p: heard.append(p))
+    assert heard[-1][0] == heard[-1][1] == len(heard) > 4
     assert tiled.shape == whole.shape == (53 * loaded.scale, 71 * loaded.scale, 3)
     assert np.abs(tiled.astype(int) - whole).max() <= 1  # 1/255
 

@@ -15,6 +15,7 @@ As A1111's `Upscaler.upscale`: a network runs up to three times until the pictur
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -53,8 +54,15 @@ def spans(size: int, tile: int, overlap: int) -> tuple[int, list[tuple[int, int,
     return window, [(a, b, min(max(a - overlap, 0), size - window)) for a, b in cores]
 
 
+Progress = Callable[[int, int], None]  # (tiles done, tiles in all), after each tile; raising from it stops the run
+
+
 def run_network(
-    upscaler: LoadedUpscaler, pixels: np.ndarray, tile: int = DEFAULT_TILE, overlap: int = DEFAULT_OVERLAP
+    upscaler: LoadedUpscaler,
+    pixels: np.ndarray,
+    tile: int = DEFAULT_TILE,
+    overlap: int = DEFAULT_OVERLAP,
+    progress: Progress | None = None,
 ) -> np.ndarray:
     """pixels [h, w, c] uint8 -> [h * scale, w * scale, c] uint8 through the network, tile by tile.
 
@@ -73,11 +81,12 @@ def run_network(
     s, params = cfg.scale, jax.device_put(upscaler.params)  # one copy per picture, not per tile
     out = np.empty((x.shape[0] * s, x.shape[1] * s, cfg.out_channels), np.uint8)
     (win_h, rows), (win_w, cols) = spans(x.shape[0], tile, overlap), spans(x.shape[1], tile, overlap)
-    for y0, y1, wy in rows:
-        for x0, x1, wx in cols:
-            window = jnp.asarray(x[None, wy : wy + win_h, wx : wx + win_w])
-            result = np.asarray(_forward(upscaler.graphdef, params, window))[0]
-            out[y0 * s : y1 * s, x0 * s : x1 * s] = result[(y0 - wy) * s : (y1 - wy) * s, (x0 - wx) * s : (x1 - wx) * s]
+    for done, ((y0, y1, wy), (x0, x1, wx)) in enumerate(((r, c) for r in rows for c in cols), 1):
+        window = jnp.asarray(x[None, wy : wy + win_h, wx : wx + win_w])
+        result = np.asarray(_forward(upscaler.graphdef, params, window))[0]
+        out[y0 * s : y1 * s, x0 * s : x1 * s] = result[(y0 - wy) * s : (y1 - wy) * s, (x0 - wx) * s : (x1 - wx) * s]
+        if progress is not None:
+            progress(done, len(rows) * len(cols))
     return out[: h * s, : w * s]
 
 
@@ -109,9 +118,10 @@ def upscale_to(
     overlap: int = DEFAULT_OVERLAP,
     max_side: int = MAX_SIDE,
     max_pixels: int = MAX_PIXELS,
+    progress: Progress | None = None,
 ) -> Image.Image | np.ndarray:
     """`picture` (PIL, or uint8 RGB [h, w, 3]) at width x height through `upscaler` ("Lanczos", "Nearest" or a
-    loaded network); returned as it came (PIL or numpy)."""
+    loaded network); returned as it came (PIL or numpy). `progress` hears of each tile of each network pass."""
     check_size(width, height, max_side, max_pixels)
     as_array = isinstance(picture, np.ndarray)
     if as_array and (picture.dtype != np.uint8 or picture.ndim != 3 or picture.shape[2] != 3):
@@ -129,7 +139,7 @@ def upscale_to(
             w, h = image.width * upscaler.scale, image.height * upscaler.scale
             check_size(w, h, max_side, max_pixels, f"upscaler {upscaler.name}'s {w}x{h} on the way to {width}x{height}")
             before = image.size
-            image = Image.fromarray(run_network(upscaler, np.asarray(image), tile, overlap))
+            image = Image.fromarray(run_network(upscaler, np.asarray(image), tile, overlap, progress))
             if image.size == before:
                 break
         if image.size != (width, height):
@@ -141,7 +151,7 @@ def upscale(
     picture: Image.Image | np.ndarray, scale: float, upscaler: str | LoadedUpscaler, **options
 ) -> Image.Image | np.ndarray:
     """`picture` scaled by `scale` along each side (rounded to whole pixels) through `upscaler`; `options` as
-    `upscale_to`'s (tile, overlap, max_side, max_pixels)."""
+    `upscale_to`'s (tile, overlap, max_side, max_pixels, progress)."""
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise InvalidRequest(f"an upscale's scale must be a positive number, not {scale!r}")
     h, w = (picture.shape[:2]) if isinstance(picture, np.ndarray) else (picture.height, picture.width)
