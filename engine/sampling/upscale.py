@@ -76,12 +76,12 @@ def run_network(
         raise InvalidRequest(f"tile must be at least 1 and overlap at least 0, not {tile} and {overlap}")
     grid = getattr(cfg, "shuffle_factor", 1)
     tile, overlap = -(-tile // grid) * grid, -(-overlap // grid) * grid
-    padded = np.pad(pixels, ((0, -h % grid), (0, -w % grid), (0, 0)), mode="reflect" if min(h, w) > 1 else "edge")
+    padded = np.pad(pixels, ((0, -h % grid), (0, -w % grid), (0, 0)), mode="reflect" if min(h, w) > grid else "edge")
     x = padded.astype(np.float32) / 255.0  # [H, W, c]
     s, params = cfg.scale, jax.device_put(upscaler.params)  # one copy per picture, not per tile
     out = np.empty((x.shape[0] * s, x.shape[1] * s, cfg.out_channels), np.uint8)
     (win_h, rows), (win_w, cols) = spans(x.shape[0], tile, overlap), spans(x.shape[1], tile, overlap)
-    for done, ((y0, y1, wy), (x0, x1, wx)) in enumerate(((r, c) for r in rows for c in cols), 1):
+    for done, ((y0, y1, wy), (x0, x1, wx)) in enumerate(((row, col) for row in rows for col in cols), 1):
         window = jnp.asarray(x[None, wy : wy + win_h, wx : wx + win_w])
         result = np.asarray(_forward(upscaler.graphdef, params, window))[0]
         out[y0 * s : y1 * s, x0 * s : x1 * s] = result[(y0 - wy) * s : (y1 - wy) * s, (x0 - wx) * s : (x1 - wx) * s]
