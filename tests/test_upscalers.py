@@ -29,7 +29,7 @@ from engine.loading.upscaler_folder import UpscalerFolder
 from engine.loading.weights import checkpoint_name
 from engine.models.upscalers import RRDBNetConfig, SRVGGNetCompactConfig
 from engine.nn.layers import shapes_only
-from engine.sampling.upscale import run_network, upscale, upscale_to
+from engine.sampling.upscale import run_network, spans, upscale, upscale_to
 
 TOL = 1e-4
 
@@ -297,22 +297,26 @@ def test_x2plus_unshuffles_an_odd_picture_as_spandrel(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "make, tile",
+    "make, tile, size",
     [
-        (lambda: TorchRRDBNet(nf=8, nb=1, gc=4), 24),
-        (lambda: TorchRRDBNet(nf=8, nb=1, gc=4, scale=2), 14),  # tiles and overlap on the unshuffle's grid
-        (lambda: TorchCompact(nf=8, num_conv=4), 17),
+        (lambda: TorchRRDBNet(nf=8, nb=1, gc=4), 12, (53, 71)),
+        (lambda: TorchRRDBNet(nf=8, nb=1, gc=4, scale=2), 13, (101, 119)),  # tiles and overlap on the unshuffle's grid
+        (lambda: TorchCompact(nf=8, num_conv=4), 17, (53, 71)),
     ],
     ids=["x4", "x2plus", "compact"],
 )
-def test_tiles_equal_the_whole_picture(tmp_path, make, tile):
+def test_tiles_equal_the_whole_picture(tmp_path, make, tile, size):
+    """With the receptive radius as the overlap, every window smaller than the picture along both sides."""
     loaded = ours(tmp_path, numpy_state(seeded(make)))
-    picture = pixels(53, 71)
+    picture, radius, grid = pixels(*size), loaded.config.receptive_radius, getattr(loaded.config, "shuffle_factor", 1)
+    for side in size:
+        window, cores = spans(-(-side // grid) * grid, -(-tile // grid) * grid, radius)
+        assert window < side and len(cores) >= 3
     whole = run_network(loaded, picture, tile=1024)
     heard = []
-    tiled = run_network(loaded, picture, tile, loaded.config.receptive_radius, lambda *p: heard.append(p))
-    assert heard[-1][0] == heard[-1][1] == len(heard) > 4
-    assert tiled.shape == whole.shape == (53 * loaded.scale, 71 * loaded.scale, 3)
+    tiled = run_network(loaded, picture, tile, radius, lambda *p: heard.append(p))
+    assert heard[-1][0] == heard[-1][1] == len(heard) >= 9
+    assert tiled.shape == whole.shape == (size[0] * loaded.scale, size[1] * loaded.scale, 3)
     assert np.abs(tiled.astype(int) - whole).max() <= 1  # 1/255
 
 
