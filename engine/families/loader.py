@@ -25,6 +25,7 @@ from flax import nnx
 from ..errors import ConfigError, SourceError
 from ..loading.host_encoder import host_t5
 from ..loading.sources import ModelFolder, resolve
+from ..loading.textual_inversion import NO_EMBEDDINGS, Embeddings
 from ..loading.tokenizer import Tokenizer
 from ..loading.vae import OWN_VAE
 from ..loading.weights import convert, read_safetensors, rename_legacy
@@ -56,6 +57,8 @@ class LoadedModel:
     vae: str = OWN_VAE  # which VAE draws: the folder's own, or the source given (`loading.vae.attach_vae`)
     # A single file's configs, tokenizers and scheduler (`single_file.open_single_file`); None for a folder
     config_folder: ModelFolder | None = None
+    # Textual inversion embeddings in the text encoders' tables (`loading.textual_inversion.attach_embeddings`)
+    embeddings: Embeddings = NO_EMBEDDINGS
 
     @property
     def vae_scale_factor(self) -> int:

@@ -113,9 +113,10 @@ class CLIPTextModel(nnx.Module):
             hidden_states.append(x)
         last = tm.final_layer_norm(x)
         # transformers: the pooled token is the first end-of-text id, or (legacy configs whose
-        # eos_token_id is 2) the largest id, which is end-of-text in CLIP's vocabulary.
+        # eos_token_id is 2) the largest id, which is end-of-text in CLIP's vocabulary. Ids past the vocabulary
+        # are an embedding's rows appended to the table (textual inversion), not end-of-text: A1111 pools there too.
         if self.config.eos_token_id == 2:
-            eos = jnp.argmax(input_ids, axis=-1)
+            eos = jnp.argmax(jnp.where(input_ids < self.config.vocab_size, input_ids, -1), axis=-1)
         else:
             eos = jnp.argmax(input_ids == self.config.eos_token_id, axis=-1)
         pooled = last[jnp.arange(last.shape[0]), eos]

@@ -11,6 +11,9 @@ Mirrors A1111's `parse_prompt_attention` (modules/prompt_parser.py) and its CLIP
 - The text encoder reads each chunk on its own; each token's output vector is multiplied by its weight and
   the chunk rescaled so that its mean stays what it was; the chunks are concatenated (77 tokens each) into
   one context for the UNet. SDXL's pooled embedding is the first chunk's.
+- A textual inversion embedding's name (its tokens, as A1111's `find_embedding_at_position` finds them) becomes
+  its placeholder ids, one per vector, weighed as the words around it; the encoder looks them up in rows appended
+  to its token table (engine/loading/textual_inversion.py). An embedding is never split between two chunks.
 
 Families whose T5 encoder reads the long prompt (SD3, FLUX.1; `Family.chunked_prompts` False) skip all this, as
 diffusers does: their CLIP encoders read the first 77 tokens as text (`tokenize_plain`).
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,10 @@ ROUND = 1.1  # (words): A1111's factor per pair of round brackets
 SQUARE = 1 / 1.1  # [words]
 COMMA_BACKTRACK = 20  # A1111's `comma_padding_backtrack` default: tokens a comma may be from the chunk's end
 BREAK = ("BREAK", -1.0)  # the marker `parse_prompt_attention` puts where a chunk must end, as A1111 does
+
+# A tokenizer's textual inversion embeddings (engine/loading/textual_inversion.py): the token ids of an embedding's
+# name -> the placeholder ids that look its vectors up in rows appended to the text encoder's token table.
+Placeholders = Mapping[tuple[int, ...], Sequence[int]]
 
 # One token of the attention syntax per match: an escaped character (a lone backslash escapes nothing and
 # vanishes), an opening bracket, ":1.4)" closing a round bracket with its weight, a closing bracket, a run
@@ -144,7 +151,11 @@ class TokenizedPrompt:
 
 
 def tokenize_chunks(
-    tokenizer: Any, text: str, comma_backtrack: int = COMMA_BACKTRACK, emphasis: bool = True
+    tokenizer: Any,
+    text: str,
+    comma_backtrack: int = COMMA_BACKTRACK,
+    emphasis: bool = True,
+    embeddings: Placeholders | None = None,
 ) -> TokenizedPrompt:
     """One tokenizer's chunks: ids and weights [chunks, 77].
 
@@ -152,6 +163,8 @@ def tokenize_chunks(
     `parse_prompt_attention` is tokenized on its own; chunks are padded with the end token, and every
     token after a chunk's first end token is the tokenizer's pad token ("!" for SD 2.x and SDXL's second
     tokenizer, the end token itself for SD 1.x). `emphasis=False` reads brackets and BREAK as text.
+    `embeddings`: an embedding's name, met as its tokens in a run, becomes its placeholder ids with the run's
+    weight; one that does not fit in what is left of a chunk starts the next (A1111's `tokenize_line`).
     """
     tok = getattr(tokenizer, "inner", tokenizer)
     length = tok.model_max_length  # 77
@@ -163,6 +176,7 @@ def tokenize_chunks(
     with getattr(tokenizer, "lock", contextlib.nullcontext()):  # `loading.Tokenizer`: one call at a time
         tokenized = tok([t for t, _ in runs], add_special_tokens=False, truncation=False, verbose=False).input_ids
 
+    by_first = _by_first_token(embeddings or {})
     chunks: list[tuple[list[int], list[float]]] = []
     tokens: list[int] = []
     weights: list[float] = []
@@ -180,7 +194,9 @@ def tokenize_chunks(
         if (run, weight) == BREAK:
             close()
             continue
-        for token in ids:
+        position = 0
+        while position < len(ids):
+            token = ids[position]
             if token == comma:
                 last_comma = len(tokens)
             elif len(tokens) == chunk_length and last_comma != -1 and chunk_length - last_comma <= comma_backtrack:
@@ -191,8 +207,12 @@ def tokenize_chunks(
                 tokens, weights = list(moved[0]), list(moved[1])
             if len(tokens) == chunk_length:
                 close()
-            tokens.append(token)
-            weights.append(weight)
+            name, placeholders = _embedding_at(by_first, ids, position)
+            if len(tokens) + len(placeholders) > chunk_length:  # an embedding is never split between chunks
+                close()
+            tokens += placeholders or [token]
+            weights += [weight] * max(1, len(placeholders))
+            position += max(1, len(name))
     if tokens or not chunks:
         close(last=True)
 
@@ -204,12 +224,34 @@ def tokenize_chunks(
     return TokenizedPrompt(ids, np.asarray([c[1] for c in chunks], np.float32), count, empty)
 
 
-def tokenize_prompt(tokenizers: Sequence[Any], text: str, **options) -> TokenizedPrompt:
+def _by_first_token(embeddings: Placeholders) -> dict[int, list[tuple[tuple[int, ...], list[int]]]]:
+    """The embeddings by their name's first token, longest name first (A1111's `EmbeddingDatabase.ids_lookup`)."""
+    out: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
+    for name, placeholders in sorted(embeddings.items(), key=lambda item: -len(item[0])):
+        out.setdefault(name[0], []).append((name, list(placeholders)))
+    return out
+
+
+def _embedding_at(by_first: dict, ids: Sequence[int], position: int) -> tuple[tuple[int, ...], list[int]]:
+    """The name's tokens and the placeholder ids of the embedding whose name starts at `position`, or two empties."""
+    for name, placeholders in by_first.get(ids[position], ()):
+        if tuple(ids[position : position + len(name)]) == name:
+            return name, placeholders
+    return (), []
+
+
+def tokenize_prompt(
+    tokenizers: Sequence[Any], text: str, embeddings: Sequence[Placeholders] = (), **options
+) -> TokenizedPrompt:
     """Every tokenizer's chunks: [chunks, 77] for one tokenizer, [chunks, encoders, 77] for several (SDXL).
 
-    Each tokenizer is read on its own; the one that needs fewer chunks is padded with empty ones.
+    Each tokenizer is read on its own; the one that needs fewer chunks is padded with empty ones. `embeddings`: each
+    tokenizer's placeholders (`loading.textual_inversion.Embeddings.placeholders`), or () for none.
     """
-    each = [tokenize_chunks(tokenizer, text, **options) for tokenizer in tokenizers]
+    each = [
+        tokenize_chunks(tokenizer, text, embeddings=embeddings[k] if embeddings else None, **options)
+        for k, tokenizer in enumerate(tokenizers)
+    ]
     if len(each) == 1:
         return each[0]
     each = align(*each)

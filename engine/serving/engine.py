@@ -119,6 +119,9 @@ class Engine:
         log.log(logging.WARNING if slow else logging.INFO, "compute path: %s", self.compute_path)
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
         self.controlnet = model.controlnet  # its source, or None
+        # Textual inversion embeddings a prompt may call by name: `.loaded` (name, vectors, encoders), `.skipped`
+        # (name -> why) and `.a1111()`, A1111's /sdapi/v1/embeddings (engine/loading/textual_inversion.py)
+        self.embeddings = model.embeddings
         self.defaults = dict(model.defaults)
         self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels

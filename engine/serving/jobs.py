@@ -9,6 +9,7 @@ and the example admission a plan's programs are traced with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -41,7 +42,10 @@ class Jobs:
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
         """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/sampling/prompts.py),
         padded to one chunk count; refused when longer than `limits.max_chunks`."""
-        tokenize = tokenize_prompt if FAMILIES[self.model.family].chunked_prompts else tokenize_plain
+        if FAMILIES[self.model.family].chunked_prompts:  # textual inversion embeddings called by name, in both
+            tokenize = functools.partial(tokenize_prompt, embeddings=self.model.embeddings.placeholders)
+        else:
+            tokenize = tokenize_plain
         prompt = tokenize(self.model.tokenizers, r.prompt)
         negative = tokenize(self.model.tokenizers, r.negative_prompt or "")
         self.limits.check_chunks(prompt.chunks, prompt.token_count)

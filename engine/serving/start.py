@@ -16,6 +16,7 @@ from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
 from ..loading.quantize import MODES as QUANTIZE_MODES
 from ..loading.quantize import quantize_params
+from ..loading.textual_inversion import attach_embeddings
 from ..loading.vae import attach_vae, load_vae
 from ..nn import onednn
 from .engine import Engine
@@ -96,6 +97,7 @@ def load_pipeline(
     quantize: str | None = None,
     config: str | os.PathLike | None = None,
     prediction_type: str | None = None,
+    embeddings: str | os.PathLike | None = None,
     **serving,
 ) -> Engine:
     """Loads a model: None (the embedded default), a diffusers-format folder or Hub id, or a single-file checkpoint
@@ -117,7 +119,9 @@ def load_pipeline(
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
     refused at load if its latents are not the UNet's. `t5`: where SD3's and FLUX.1's T5 encoder runs: "device" with
     the other networks, "host" (its 9.5 GB of bf16 weights kept in host memory, run on the CPU once per request), or
-    "off" (SD3 only: zeros in its place, as diffusers runs a folder without it).
+    "off" (SD3 only: zeros in its place, as diffusers runs a folder without it). `embeddings`: a folder of textual
+    inversion embeddings (A1111's `embeddings/`: `.pt`, `.bin`, `.safetensors`) or one file, each called in prompts by
+    its file's name; in a folder, one that does not fit the model is skipped and `Engine.embeddings.skipped` says why.
     """
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ConfigError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE_MODES)} (or None: no quantization)")
@@ -140,6 +144,8 @@ def load_pipeline(
         model = attach_vae(model, load_vae(vae, dtype))
     if controlnet is not None:
         model = attach_controlnet(model, load_controlnet(controlnet, dtype))
+    if embeddings is not None:  # rows appended to the text encoders' token tables, once
+        model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
         model = dataclasses.replace(model, params=quantize_params(model.params, FAMILIES[model.family].denoiser))
