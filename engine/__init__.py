@@ -9,6 +9,7 @@ Many users at once: `ticket = pipe.submit(GenerationRequest(...))`, then `ticket
 position, progress, previews, the result), `ticket.result()` or `ticket.cancel()`.
 """
 
+from . import request_fields
 from .errors import Busy, Cancelled, GenerationFailed, InvalidRequest, SourceError, WeightsError
 from .families import VARIANTS, Variant
 from .protocol import EngineFace
@@ -48,4 +49,5 @@ __all__ = [
     "enable_compile_cache",
     "keep_freed_memory",
     "load_pipeline",
+    "request_fields",
 ]

@@ -19,6 +19,7 @@ from PIL import Image
 from .errors import InvalidRequest
 
 SEED_LIMIT = 2**32  # seeds are uint32, as PRNGKey takes them
+HIRES_STRENGTH = 0.7  # A1111's denoising strength for hires fix's second pass when a request gives none
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,40 @@ class GenerationRequest:
     # Token merging (ToMe): this share of the first UNet level's tokens is merged into similar ones before each of
     # its self-attentions and copied back after (A1111's "Token merging ratio"; 0: off). Faster, not the same picture.
     token_merging: float = 0.0
+    # Hires fix, as A1111 does it: the pictures drawn, then upscaled (their latents, or the pictures by a named
+    # upscaler) to `hires_scale` times the size (or hires_width x hires_height) and drawn again there as image to
+    # image at `strength` (default 0.7) for `hires_steps` (0: num_inference_steps). 0: off.
+    hires_scale: float = 0.0
+    hires_width: int | None = None
+    hires_height: int | None = None
+    hires_upscaler: str = "Latent"
+    hires_steps: int = 0
+    # Start from these scaled latents, [n, h/8, w/8, c] (image to image without encoding a picture: hires fix's
+    # second pass after a latent upscaler); and hand the final latents back in the result (its first pass).
+    image_latents: np.ndarray | None = field(default=None, compare=False, repr=False)
+    return_latents: bool = False
 
     @property
     def guided(self) -> bool:
         """Guidance at scale <= 1 changes nothing, so the unconditional half is not computed at all."""
         return float(self.guidance_scale) > 1.0
+
+    @property
+    def hires(self) -> bool:
+        """A second pass at a larger size follows the first (hires fix)."""
+        return bool(self.hires_scale) or self.hires_width is not None or self.hires_height is not None
+
+    def hires_size(self) -> tuple[int, int]:
+        """The second pass's (width, height), as A1111's `calculate_target_resolution` without its crop: the given
+        sides (one of them: the other keeps the aspect), else the first pass's times `hires_scale`; rounded to 8."""
+        w, h = int(self.width), int(self.height)
+        if self.hires_width and self.hires_height:
+            return int(self.hires_width), int(self.hires_height)
+        if self.hires_width:
+            return int(self.hires_width), _round8(self.hires_width * h / w)
+        if self.hires_height:
+            return _round8(self.hires_height * w / h), int(self.hires_height)
+        return _round8(w * self.hires_scale), _round8(h * self.hires_scale)
 
     @property
     def controlled(self) -> bool:
@@ -67,6 +97,10 @@ class GenerationRequest:
 
     def image_seeds(self) -> list[int]:
         return [(int(self.seed) + k) % SEED_LIMIT for k in range(int(self.num_images))]
+
+
+def _round8(value: float) -> int:
+    return int(value) // 8 * 8
 
 
 def _whole(value) -> bool:
@@ -119,6 +153,8 @@ class Limits:
     eta_range: tuple[float, float] = (0.0, 1.0)
     max_deep_cache: int = 0  # the longest DeepCache interval; 0: the model's denoiser has no deep features to reuse
     max_token_merging: float = 0.0  # the largest token merging ratio; 0: the model's denoiser has no UNet levels
+    hires_scale_range: tuple[float, float] = (1.0, 4.0)  # hires fix's upscale factor, when on
+    upscalers: tuple[str, ...] = ()  # hires fix's upscalers: the latent ones, then the pictures' (Lanczos, ...)
 
     @property
     def min_side(self) -> int:
@@ -137,8 +173,10 @@ class Limits:
             fill["lora_scales"] = {**dict.fromkeys(self.loras, 1.0), **(request.lora_scales or {})}
         if isinstance(request.image, Image.Image) and request.height is None and request.width is None:
             fill["width"], fill["height"] = self.image_size(request.image)
-        if request.image is not None and request.strength is None:
+        if request.strength is None and (request.image is not None or request.image_latents is not None):
             fill["strength"] = defaults.get("strength", 0.8)
+        elif request.strength is None and request.hires:
+            fill["strength"] = HIRES_STRENGTH
         request = dataclasses.replace(request, **fill) if fill else request
         self.check(request)
         return request
@@ -173,16 +211,7 @@ class Limits:
         g = r.guidance_scale
         if not _number(g) or not math.isfinite(g) or not low <= g <= high:
             raise InvalidRequest(f"guidance scale must be a number from {low:g} to {high:g}, got {g!r}")
-        m = self.side_multiple
-        offered = None if self.sizes is None else ", ".join(size_label(w, h) for w, h in self.sizes)
-        for name, side in (("height", r.height), ("width", r.width)):
-            if not _whole(side) or side % m or not self.min_side <= side <= self.max_side:
-                choose = f"; choose one of the sizes offered here: {offered}" if offered else ""
-                raise InvalidRequest(
-                    f"{name} must be a multiple of {m} from {self.min_side} to {self.max_side}, got {side!r}{choose}"
-                )
-        if self.sizes is not None and (r.width, r.height) not in self.sizes:
-            raise InvalidRequest(f"size {size_label(r.width, r.height)} is not offered here; choose one of {offered}")
+        self._check_size(r)
         if not _whole(r.num_images) or not 1 <= r.num_images <= self.max_images:
             raise InvalidRequest(f"number of images must be from 1 to {self.max_images}, got {r.num_images!r}")
         if r.scheduler not in self.schedulers:
@@ -205,6 +234,19 @@ class Limits:
         self._check_token_merging(r)
         self._check_adapters(r)
         self._check_images(r)
+        self._check_hires(r)
+
+    def _check_size(self, r: GenerationRequest) -> None:
+        m = self.side_multiple
+        offered = None if self.sizes is None else ", ".join(size_label(w, h) for w, h in self.sizes)
+        for name, side in (("height", r.height), ("width", r.width)):
+            if not _whole(side) or side % m or not self.min_side <= side <= self.max_side:
+                choose = f"; choose one of the sizes offered here: {offered}" if offered else ""
+                raise InvalidRequest(
+                    f"{name} must be a multiple of {m} from {self.min_side} to {self.max_side}, got {side!r}{choose}"
+                )
+        if self.sizes is not None and (r.width, r.height) not in self.sizes:
+            raise InvalidRequest(f"size {size_label(r.width, r.height)} is not offered here; choose one of {offered}")
 
     def _check_token_merging(self, r: GenerationRequest) -> None:
         if _number(r.token_merging) and r.token_merging == 0:
@@ -283,11 +325,44 @@ class Limits:
         s = r.strength
         if not _number(s) or not math.isfinite(s) or not 0 < s <= 1:
             raise InvalidRequest(f"strength must be a number above 0 and at most 1, got {s!r}")
-        if r.image is not None and int(r.num_inference_steps * s) < 1:
+        if (r.image is not None or r.image_latents is not None) and int(r.num_inference_steps * s) < 1:
             raise InvalidRequest(
                 f"strength {s:g} of {r.num_inference_steps} steps runs no step at all; "
                 f"raise the strength to at least {1 / r.num_inference_steps:g} or the steps"
             )
+
+    def _check_hires(self, r: GenerationRequest) -> None:
+        if not r.hires:
+            return
+        if not self.upscalers:
+            raise InvalidRequest("hires fix is not offered by this model here; send hires_scale 0")
+        if r.image is not None or r.image_latents is not None:
+            raise InvalidRequest("hires fix follows text to image only; send no image with hires_scale")
+        low, high = self.hires_scale_range
+        scale = r.hires_scale
+        if not _number(scale) or not math.isfinite(scale) or not (scale == 0 or low <= scale <= high):
+            raise InvalidRequest(f"hires_scale must be 0 (off) or a number from {low:g} to {high:g}, got {scale!r}")
+        if r.hires_upscaler not in self.upscalers:
+            raise InvalidRequest(
+                f"unknown upscaler {r.hires_upscaler!r}; this server offers: {', '.join(self.upscalers)}"
+            )
+        if not _whole(r.hires_steps) or not 0 <= r.hires_steps <= self.max_steps:
+            raise InvalidRequest(
+                f"hires_steps must be a whole number from 0 (the first pass's steps) to {self.max_steps}, "
+                f"got {r.hires_steps!r}"
+            )
+        for name, side in (("hires_width", r.hires_width), ("hires_height", r.hires_height)):
+            if side is not None and not _whole(side):
+                raise InvalidRequest(f"{name} must be a whole number of pixels, got {side!r}")
+        width, height = r.hires_size()
+        second = dataclasses.replace(r, width=width, height=height)
+        try:
+            self._check_size(second)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"the hires pass's {e}") from None
+        strength = HIRES_STRENGTH if r.strength is None else r.strength
+        if int((r.hires_steps or r.num_inference_steps) * strength) < 1:
+            raise InvalidRequest("hires fix's strength and steps run no step at all; raise the strength or the steps")
 
     def check_chunks(self, chunks: int, tokens: int, what: str = "prompt") -> None:
         """A tokenized prompt's length: more chunks than `max_chunks` is refused with the token budget."""
@@ -309,3 +384,4 @@ class GenerationResult:
     arrays: np.ndarray | None = None  # [n, h, w, 3] float32 in [0, 1], before rounding to 8 bits
     request: GenerationRequest | None = None  # complete: every default filled in
     nsfw_content_detected: list[bool] = field(default_factory=list)  # per picture: the safety checker withheld it
+    latents: np.ndarray | None = None  # [n, h/8, w/8, c] the final scaled latents, when `return_latents` asked

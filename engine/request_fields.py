@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# The page's sections: above the fold, the "Advanced" accordion, the picture modes' and the adapters' accordions.
-SECTIONS = ("basic", "advanced", "picture", "adapters")
+# The page's sections: above the fold, the "Advanced", "Hires fix", picture modes' and adapters' accordions.
+SECTIONS = ("basic", "advanced", "hires", "picture", "adapters")
 REMEMBERED = ("basic", "advanced")  # a history entry, a live drawing and a dropped picture's recipe hold these
 
 
@@ -167,7 +167,7 @@ FIELDS: tuple[RequestField, ...] = (
         "strength",
         float,
         None,
-        "with a picture, how much is redrawn, above 0 and at most 1.",
+        "with a picture, how much is redrawn, above 0 and at most 1 (hires fix's second pass too).",
         range=(0.0, 1.0),
         title="Strength",
         page=OnPage("picture", "slider", "Strength (how much of the picture is redrawn)", step=0.05, minimum=0.05),
@@ -234,6 +234,60 @@ FIELDS: tuple[RequestField, ...] = (
         openai="token_merging",
     ),
     RequestField(
+        "hires_scale",
+        float,
+        0.0,
+        "hires fix: draw the picture again at this many times its size, from the first one upscaled; 0: off.",
+        range="hires_scale_range",
+        title="Hires upscale",
+        page=OnPage("hires", "slider", "Upscale by (0: off)", step=0.25, minimum=0.0),
+        a1111="hr_scale",
+        png="Hires upscale",
+        openai="hires_scale",
+    ),
+    RequestField(
+        "hires_width",
+        int,
+        None,
+        "hires fix: the second pass's width (the height keeps the aspect unless given too); none: by the scale.",
+        a1111="hr_resize_x",
+        png="Hires resize-1",
+        openai="hires_width",
+    ),
+    RequestField(
+        "hires_height",
+        int,
+        None,
+        "hires fix: the second pass's height (the width keeps the aspect unless given too); none: by the scale.",
+        a1111="hr_resize_y",
+        png="Hires resize-2",
+        openai="hires_height",
+    ),
+    RequestField(
+        "hires_upscaler",
+        str,
+        "Latent",
+        "hires fix: how the first picture is upscaled: a latent mode (Latent, Latent (bicubic), ...) or a picture's.",
+        range="upscalers",
+        title="Hires upscaler",
+        page=OnPage("hires", "dropdown", "Upscaler"),
+        a1111="hr_upscaler",
+        png="Hires upscaler",
+        openai="hires_upscaler",
+    ),
+    RequestField(
+        "hires_steps",
+        int,
+        0,
+        "hires fix: the second pass's steps, of which strength runs its share; 0: the first pass's.",
+        range=(0, "max_steps"),
+        title="Hires steps",
+        page=OnPage("hires", "slider", "Hires steps (0: as the first pass)", step=1),
+        a1111="hr_second_pass_steps",
+        png="Hires steps",
+        openai="hires_steps",
+    ),
+    RequestField(
         "control_image",
         object,
         None,
@@ -260,6 +314,8 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("image", object, None, "start from this picture (image to image)."),  # each door its own upload
     RequestField("mask_image", object, None, "white: repaint (inpainting); at the picture's size."),
     RequestField("latents", object, None, "the starting noise, [n, c, h/8, w/8]; for scripts, not the doors."),
+    RequestField("image_latents", object, None, "start from these scaled latents [1, h/8, w/8, c]; for scripts."),
+    RequestField("return_latents", bool, False, "hand the final latents back in the result; for scripts."),
 )
 
 

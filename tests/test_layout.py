@@ -12,9 +12,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
-# Bottom to top: a module may import its own layer and the layers before it. `errors` and `request` are the
-# vocabulary every layer speaks; `compat` sits beside the engine and may import all of it.
-LAYERS = ("errors", "request", "nn", "models", "schedulers", "loading", "families", "sampling", "serving")
+# Bottom to top: a module may import its own layer and the layers before it. `errors`, `cpus` (the CPUs this
+# process may use), `request` and `request_fields` (each request field described once) are the vocabulary every layer
+# speaks; `compat` sits beside the engine and may import all of it.
+LAYERS = (
+    "errors",
+    "cpus",
+    "request",
+    "request_fields",
+    "nn",
+    "models",
+    "schedulers",
+    "loading",
+    "families",
+    "sampling",
+    "serving",
+)
 FOLDERS = ("nn", "models", "schedulers", "loading", "families", "sampling", "serving", "compat")
 FAMILY_NAMES = ("sd", "sdxl", "sd-lcm")
 MAX_FILE_LINES = 600

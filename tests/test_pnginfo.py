@@ -261,8 +261,11 @@ def test_odd_texts_read_as_a1111_reads_them(text, prompt, extra):
 
 
 def test_quoted_values_are_unquoted():
-    got = parse_parameters('a cat\nSteps: 2, Seed: 1, CFG scale: 3, Hires upscaler: "R-ESRGAN 4x+, Anime6B"')
-    assert got.extra == {"Hires upscaler": "R-ESRGAN 4x+, Anime6B"}
+    got = parse_parameters(
+        'a cat\nSteps: 2, Seed: 1, CFG scale: 3, Hires upscaler: "R-ESRGAN 4x+, Anime6B", Note: "a, b"'
+    )
+    assert got.hires_upscaler == "R-ESRGAN 4x+, Anime6B"  # hires fix's upscaler, a request field
+    assert got.extra == {"Note": "a, b"}
     assert got.num_inference_steps == 2
 
 

@@ -162,6 +162,26 @@ def body_values(body: Txt2ImgRequest) -> dict[str, Any]:
         if f.from_a1111 is not None:
             value = f.from_a1111(read_value(f, value, f.a1111_setting or f.a1111))
         values[f.name] = value
+    return _hires_values(body, values)
+
+
+HIRES_FIELDS = ("hires_scale", "hires_width", "hires_height", "hires_upscaler", "hires_steps")
+
+
+def _hires_values(body: Txt2ImgRequest, values: dict[str, Any]) -> dict[str, Any]:
+    """A1111's hires fix: its fields count only with enable_hr (then hr_scale is 2 unless a size is given; a size
+    of 0 is none), and txt2img's denoising_strength is the second pass's."""
+    if isinstance(body, Img2ImgRequest):
+        return {k: v for k, v in values.items() if k not in HIRES_FIELDS}
+    if not body.enable_hr:
+        return {k: v for k, v in values.items() if k not in HIRES_FIELDS and k != "strength"}
+    for side in ("hires_width", "hires_height"):
+        if values.get(side) == 0:
+            del values[side]
+    if "hires_scale" not in values:
+        values["hires_scale"] = 2.0  # A1111's default
+    if body.denoising_strength is not None:
+        values["strength"] = body.denoising_strength
     return values
 
 
@@ -231,7 +251,8 @@ def info(pipe, body: Txt2ImgRequest, r: engine.GenerationRequest, seeds, withhel
         "sd_vae_hash": None,
         "seed_resize_from_w": -1,
         "seed_resize_from_h": -1,
-        "denoising_strength": r.strength if r.image is not None else None,
+        "denoising_strength": r.strength if r.image is not None or r.hires else None,
+        "enable_hr": r.hires,
         "clip_skip": r.clip_skip + 1,
         "extra_generation_params": extra,
         "index_of_first_image": 0,

@@ -33,6 +33,11 @@ class _Txt2ImgOwn(_Body):
     n_iter: int = 1  # batch_size x n_iter pictures in all
     override_settings: dict[str, Any] | None = None
     send_images: bool = True
+    # Hires fix: off unless enable_hr; then hr_scale (default 2) or hr_resize_x / hr_resize_y (0: none), hr_upscaler,
+    # hr_second_pass_steps, and denoising_strength (default 0.7) for the second pass. hr_sampler_name, hr_prompt and
+    # hr_negative_prompt are not read: the second pass draws with the first's sampler and prompts.
+    enable_hr: bool = False
+    denoising_strength: float | None = None
 
 
 class _Img2ImgOwn(_Body):

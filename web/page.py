@@ -114,7 +114,9 @@ def field_control(pipe: engine.EngineFace, name: str, **props: Any) -> gr.compon
     f = page_fields()[name]
     value = props.pop("value", pipe.defaults.get(f.name, f.default))
     if f.page.control == "dropdown":
-        return gr.Dropdown(list(f.choices(pipe.limits)), value=value, label=f.page.label, **props)
+        choices = list(f.choices(pipe.limits))
+        props.setdefault("visible", bool(choices))  # nothing to choose: hidden (hires fix on an inpainting model)
+        return gr.Dropdown(choices or [value], value=value, label=f.page.label, **props)
     low, high = f.bounds(pipe.limits)
     low = low if f.page.minimum is None else f.page.minimum
     step = f.page.step
@@ -345,6 +347,11 @@ def create_demo(
                     )
                     for name, f in page_fields().items():  # the other fields of the section, in their order
                         if f.page.section == "advanced" and name not in controls:
+                            controls[name] = field_control(pipe, name)
+                offered = bool(getattr(limits, "upscalers", ()))  # hires fix needs an upscaler: none, not offered
+                with gr.Accordion("Hires fix: draw the picture again, larger", open=False, visible=offered):
+                    for name, f in page_fields().items():
+                        if f.page.section == "hires":
                             controls[name] = field_control(pipe, name)
                 adapters = adapter_controls(pipe, files)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):

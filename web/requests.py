@@ -16,7 +16,6 @@ from PIL import Image
 
 import engine
 from engine import request_fields
-from engine.request_fields import RequestField
 
 # The page's mode labels -> the engine's modes; an API sends the same labels.
 MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
@@ -30,7 +29,7 @@ FIRST_INPUTS += ("images_per_device", *ADAPTER_INPUTS, "mode", "picture", "mask"
 REMEMBERED_OWN = ("size", "images_per_device")
 
 
-def page_fields() -> dict[str, RequestField]:
+def page_fields() -> dict[str, request_fields.RequestField]:
     """The request fields with a place on the page, by the page's name for them."""
     return {f.page_name: f for f in request_fields.current() if f.page}
 
@@ -190,7 +189,7 @@ def adapter_fields(
 # ---- the request ---------------------------------------------------------------------------
 
 
-def read_value(f: RequestField, value: Any, what: str) -> Any:
+def read_value(f: request_fields.RequestField, value: Any, what: str) -> Any:
     """A field's raw value as its type; None or an empty box: the field's default (None: the model's own)."""
     if value is None or (value == "" and f.type is not str):
         return f.default

@@ -157,7 +157,8 @@ class GenerationParameters:
         recorded = {}
         for name, f in _recorded().items():
             value = seed if name == "seed" else getattr(request, name, f.default)
-            if f.needs_image and request.image is None or not f.is_written(value):
+            pictured = request.image is not None or getattr(request, "hires", False)  # hires: redrawn as a picture
+            if f.needs_image and not pictured or not f.is_written(value):
                 value = _unset(f)  # written only with a picture (denoising strength); or off (deep cache 1)
             recorded[name] = value if value is None else f.type(value)
         return cls(
@@ -217,7 +218,9 @@ def format_parameters(params: GenerationParameters) -> str:
         if value is None or not f.is_written(value):
             continue
         value = f.to_a1111(value) if f.to_a1111 else value
-        own[f.png_key(params.scheduler)] = str(int(value)) if f.type is int else _number(value)
+        own[f.png_key(params.scheduler)] = (
+            str(value) if f.type is str else str(int(value)) if f.type is int else _number(value)
+        )
     if params.scheduler is not None:
         own["Sampler"] = SAMPLER_NAMES[params.scheduler]
         if params.scheduler == "dpm++2m":  # else A1111 1.9+ reads a bare "DPM++ 2M" as Karras ("Automatic")
@@ -296,7 +299,7 @@ def parse_parameters(text: str) -> GenerationParameters:
         key = next((key for key in f.png_keys() if key in pairs), None)
         if key is None:
             continue
-        value = (_whole if f.type is int else _real)(pairs[key])
+        value = pairs[key] if f.type is str else (_whole if f.type is int else _real)(pairs[key])
         taken[key] = value is not None  # a value that does not read as its type (a seed of "abc") stays as text
         if value is not None:
             recorded[name] = f.from_a1111(value) if f.from_a1111 else value

@@ -20,10 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-MODES = ("txt2img", "img2img", "inpaint")
+# "latents": image to image from latents a request brings (hires fix's second pass after a latent upscaler), not
+# from a picture the VAE encodes.
+MODES = ("txt2img", "img2img", "inpaint", "latents")
 
 
-def mode_of(image: Any, mask_image: Any) -> str:
+def mode_of(image: Any, mask_image: Any, image_latents: Any = None) -> str:
+    if image_latents is not None:
+        return "latents"
     if image is None:
         return "txt2img"
     return "img2img" if mask_image is None else "inpaint"
@@ -49,7 +53,8 @@ def mask_array(mask: Image.Image, width: int, height: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Source:
     """A request's picture inputs in an `Admission`, one row per slot: image [batch, H, W, 3] in [-1, 1] and
-    mask [batch, H, W, 1] (all ones for image-to-image)."""
+    mask [batch, H, W, 1] (all ones for image-to-image); in the "latents" mode, image holds the scaled latents
+    [batch, h, w, c] themselves and mask [batch, h, w, 1] ones."""
 
     image: jax.Array
     mask: jax.Array
@@ -73,6 +78,12 @@ def source_row(image: Image.Image | None, mask: Image.Image | None, width: int, 
     return dict(image=pixels, mask=holes)
 
 
+def latent_row(latents: np.ndarray | None, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """One slot's `Source` row in the "latents" mode: [h, w, c] scaled latents (zeros for an empty slot)."""
+    image = np.zeros(shape, np.float32) if latents is None else np.asarray(latents, np.float32)
+    return dict(image=image, mask=np.ones((*shape[:2], 1), np.float32))
+
+
 def encode(vae, images: jax.Array) -> jax.Array:
     """Pictures [batch, H, W, 3] in [-1, 1] -> scaled latents, the inverse of `pipeline.decode`'s scaling."""
     mean, _ = vae.encode(images)  # the posterior's mean: `retrieve_latents(..., sample_mode="argmax")`
@@ -90,7 +101,7 @@ def start(vae, source: Source, noise: jax.Array, tables, mode: str, channels: in
     `add_noise(encode(image), noise, first timestep)`; inpainting at strength 1 starts from pure noise
     (tables.init_signal is then 0). `channels`: the UNet's input channels, 9 for an inpainting UNet.
     """
-    image = encode(vae, source.image)  # [batch, h, w, c]
+    image = source.image if mode == "latents" else encode(vae, source.image)  # [batch, h, w, c]
     signal, sigma = tables.init_signal[:, None, None, None], tables.init_noise_sigma[:, None, None, None]
     x = signal * image + sigma * noise
     if mode != "inpaint":

@@ -48,7 +48,7 @@ class Plan:
     chunks: int = 1  # prompts of 75-token chunks: the context is chunks * 77 tokens long (engine/prompts.py)
     devices: int = 1  # the batch is sharded over this many devices, `batch // devices` slots on each
     control: bool = False  # the ControlNet runs beside the UNet; each slot brings a control image
-    mode: str = "txt2img"  # txt2img | img2img | inpaint (engine/modes.py): what admit encodes, what steps keep
+    mode: str = "txt2img"  # txt2img | img2img | inpaint | latents (modes.py): what admit encodes, what steps keep
     # DeepCache: a chunk's step runs the UNet whole only where some slot is at a multiple of this (its deep features
     # kept in `Slots.deep`), else its first level alone over them (`Family.denoise_shallow`); 0 or 1: always whole
     deep_cache: int = 0

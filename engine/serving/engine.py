@@ -28,14 +28,17 @@ from ..errors import InvalidRequest
 from ..families import FAMILIES
 from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
+from ..loading.upscaler_folder import UpscalerFolder
 from ..nn import onednn
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import pairs
+from ..sampling.hires import LATENT_UPSCALERS
 from ..sampling.images import canny_image
 from ..sampling.pipeline import Plan
 from ..sampling.preview import DecodedPreview, Previewer, PreviewMap, fit_preview
 from ..sampling.prompts import TokenizedPrompt
 from .batcher import Batcher
+from .hires import HiresFix, first_pass
 from .jobs import Jobs
 from .lora_serving import ServedLoRAs
 from .programs import Programs
@@ -82,13 +85,15 @@ class Engine:
         safety=None,
         loras: dict[str, LoRAFactors] | None = None,
         core_pairs: bool | None = None,
+        upscalers: UpscalerFolder | None = None,
     ):
-        """`sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
+        """`upscalers`: hires fix's picture upscalers beside the latent ones (default: Lanczos and Nearest). `sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
         None for any size in range. `max_batch_size` is rounded up to a multiple of the device count.
         `preview_every_s`: a request's live previews come at most this often.
         `core_pairs`: run each image on two CPU devices (engine/sampling/pairs.py); None: where `pair_cores()` asked
         for them in this process."""
         self.model = model
+        self.upscalers = upscalers or UpscalerFolder()
         self.family = model.family  # the family record's name: engine.families.FAMILIES
         self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
@@ -136,6 +141,8 @@ class Engine:
             loras=self.loras.names,
             max_deep_cache=MAX_DEEP_CACHE if unet_levels else 0,
             max_token_merging=MAX_TOKEN_MERGING if unet_levels else 0.0,
+            # Hires fix redraws a text-to-image picture as image to image: not for a model that only repaints.
+            upscalers=() if model.variant.needs else (*LATENT_UPSCALERS, *self.upscalers.names()),
         )
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
@@ -234,9 +241,21 @@ class Engine:
         `caller`: who asks; waiting requests are admitted in callers' turns (batcher.py: `in_turns`)."""
         if not isinstance(request, GenerationRequest):
             raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
-        self.variant.check(request.image, request.mask_image)
+        self.variant.check(
+            request.image if request.image_latents is None else request.image_latents, request.mask_image
+        )
         defaults = dict(self.defaults, strength=self.variant.default_strength(request.mask_image))
         r = self.limits.resolve(request, defaults, self.images_per_device)
+        if r.hires:  # two passes, each an ordinary request (serving/hires.py)
+            first = self._submit(first_pass(r), caller)
+            ticket = Ticket(r, first.warnings, caller)
+            HiresFix(r, ticket, self._submit, self.upscalers.get).start(first)
+            return ticket
+        return self._submit(r, caller)
+
+    def _submit(self, r: GenerationRequest, caller: str = "") -> Ticket:
+        """A resolved request to the batcher."""
+        r = self.limits.resolve(r, self.defaults, self.images_per_device)
         prompts = self.prompts(r)
         plan = self.plan(r, max(p.chunks for p in prompts))
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]

@@ -71,7 +71,7 @@ class Jobs:
             chunks=chunks,
             devices=self.devices,
             control=r.controlled,
-            mode=modes.mode_of(r.image, r.mask_image),
+            mode=modes.mode_of(r.image, r.mask_image, r.image_latents),
             deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
             token_merging=float(r.token_merging),
         )
@@ -139,6 +139,18 @@ class Jobs:
         """One image's picture and mask at the request's size (zeros for an empty slot); None for text-to-image."""
         if plan.mode == "txt2img":
             return None
+        if plan.mode == "latents":
+            latents = None
+            if r.image_latents is not None:
+                want = (1, *self._latent_shape(plan))
+                latents = np.asarray(r.image_latents, np.float32)
+                if latents.shape != want or r.num_images != 1:
+                    raise InvalidRequest(
+                        f"image_latents must have shape {want} (one image, height/8, width/8, channels) for a request "
+                        f"of one image, got {latents.shape} for {r.num_images}"
+                    )
+                latents = latents[0]
+            return modes.Source(**modes.latent_row(latents, self._latent_shape(plan)))
         factor = self.model.vae_scale_factor
         width, height = plan.latent_width * factor, plan.latent_height * factor
         return modes.Source(**modes.source_row(r.image, r.mask_image, width, height))

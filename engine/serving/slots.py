@@ -50,6 +50,7 @@ class Job:
     waiting: deque = field(default_factory=deque)  # image indices not yet in a slot
     steps: dict[int, int] = field(default_factory=dict)  # image index -> loop steps done
     images: dict[int, tuple[np.ndarray, str]] = field(default_factory=dict)  # index -> (picture, device)
+    latents_out: dict[int, np.ndarray] = field(default_factory=dict)  # index -> final latents [h, w, c], if asked
     position: int | None = None
     last_preview: float = 0.0
 
@@ -201,6 +202,7 @@ def result(job: Job) -> GenerationResult:
         warnings=list(job.ticket.warnings),
         arrays=arrays,
         request=job.ticket.request,
+        latents=np.stack([job.latents_out[i] for i in order]) if job.latents_out else None,
     )
 
 
@@ -241,6 +243,8 @@ def hand_back(
         # A flagged picture never leaves the engine: black in its place, as diffusers does.
         picture = np.zeros_like(pictures[row]) if flagged[row] else pictures[row]
         job.images[index] = (picture, devices[device], bool(flagged[row]))
+        if job.ticket.request.return_latents:  # hires fix's first pass: its latents go on to the second
+            job.latents_out[index] = np.asarray(batch.slots.x[k])
         if len(job.images) == len(job.seeds):
             job.ticket.emit(Finished(result(job)))
 
