@@ -37,6 +37,18 @@ def main(argv: list[str] | None = None) -> None:
         "SD 1.x / 2.x / SDXL layout; env MODEL_ID); default: the embedded model",
     )
     parser.add_argument(
+        "--embeddings",
+        default=None,
+        help="a folder of textual inversion embeddings (A1111's embeddings/: .pt, .safetensors), each called in a "
+        "prompt by its file's name",
+    )
+    parser.add_argument(
+        "--upscalers",
+        default=None,
+        help="a folder of upscaler networks (ESRGAN, Real-ESRGAN, 4x-UltraSharp, ...: .pth or .safetensors), offered "
+        "beside Lanczos and Nearest to hires fix and A1111's Extras",
+    )
+    parser.add_argument(
         "--config",
         default=None,
         help="for a single-file --model: the diffusers folder or Hub id of the same kind whose configs, tokenizers and "
@@ -232,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         t5=args.t5,
         config=args.config,
         prediction_type=args.prediction_type,
+        embeddings=args.embeddings,
+        upscalers=args.upscalers,
     )
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))

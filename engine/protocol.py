@@ -45,6 +45,8 @@ class EngineFace(Protocol):
     dtype: str  # the networks' dtype: "float32", "bfloat16" or "float16"
     compute_path: str  # the dtype and what computes the products, for people: "float32, XLA (avx2)"
     example_prompts: list[str]  # the model's own examples; else the page's general ones
+    embeddings: Any  # textual inversion: `.loaded`, `.skipped`, `.a1111()` (loading/textual_inversion.py); else none
+    upscalers: Any  # the picture upscalers: `.names()`, `.entries` (loading/upscaler_folder.py); else none
 
     # Warm-up
     @property
@@ -63,4 +65,9 @@ class EngineFace(Protocol):
 
     def canny_image(self, image: Image.Image) -> Image.Image:
         """The Canny edge map of a control picture, as the ControlNet will see it."""
+        ...
+
+    def upscale(self, picture: Image.Image, width: int, height: int, upscaler: str) -> Image.Image:
+        """The picture at width x height through one of `upscalers` (read with a fallback: an engine without it
+        offers no Extras)."""
         ...

@@ -283,6 +283,11 @@ def test_demo_exposes_a_stable_api_name():
             {},
             {"model": "/models/dreamshaper.safetensors", "config": "/models/sd15", "prediction_type": "epsilon"},
         ),
+        (
+            ["--embeddings", "/models/embeddings", "--upscalers", "/models/ESRGAN"],
+            {},
+            {"embeddings": "/models/embeddings", "upscalers": "/models/ESRGAN"},
+        ),
     ],
 )
 def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv, env, expected):

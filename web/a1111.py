@@ -12,7 +12,9 @@ package and the many tools that speak it. Read A1111's `modules/api/api.py` for 
   accepted; to any other is refused (422): the server never switches models for a client. Other options are
   accepted and change nothing (the server's settings are not one client's to change; per-request
   `override_settings` are read).
-- Lists of what jax-sd does not have (upscalers, VAEs, scripts, embeddings, ...) are empty, in A1111's shapes.
+- `embeddings`: the textual inversion files the server loaded (and those it skipped, with why); `upscalers`,
+  `latent-upscale-modes` and the Extras (`extra-single-image`, `extra-batch-images`): a1111_extras.py.
+- Lists of what jax-sd does not have (VAEs, scripts, hypernetworks, ...) are empty, in A1111's shapes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from engine import request_fields
 from engine.compat.pnginfo import CHUNK_KEY, GenerationParameters, format_parameters, infotext_items, png_info
 
 from . import names
+from .a1111_extras import add_extras_routes
 from .a1111_models import (
     EmbeddingsResponse,
     ImagesResponse,
@@ -394,9 +397,11 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
 
     @router.get("/embeddings", response_model=EmbeddingsResponse)
     async def embeddings():
-        return EmbeddingsResponse()
+        loaded = getattr(pipe, "embeddings", None)  # textual inversion: the files --embeddings DIR loaded
+        return EmbeddingsResponse(**loaded.a1111()) if loaded is not None else EmbeddingsResponse()
 
-    for path in ("upscalers", "latent-upscale-modes", "sd-vae", "hypernetworks", "face-restorers", "prompt-styles"):
+    add_extras_routes(router, pipe, max_pixels)
+    for path in ("sd-vae", "hypernetworks", "face-restorers", "prompt-styles"):
         router.add_api_route(f"/{path}", _nothing, methods=["GET"], response_model=list[dict[str, Any]])
     for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):
         router.add_api_route(f"/{path}", _done, methods=["POST"])

@@ -61,6 +61,9 @@ def model_summary(pipe: engine.EngineFace) -> str:
         adapters += f" · ControlNet `{pipe.controlnet}`"
     if getattr(pipe.limits, "loras", ()):
         adapters += f" · LoRAs: {', '.join(pipe.limits.loras)}"
+    embeddings = getattr(getattr(pipe, "embeddings", None), "loaded", ())  # textual inversion, called by name
+    if embeddings:
+        adapters += f" · embeddings: {', '.join(e.name for e in embeddings)}"
     return (
         f"**{family}** · defaults: {d['width']}×{d['height']}, {d['num_inference_steps']} steps, "
         f"guidance {d['guidance_scale']:g}, {d['scheduler']} · {safety}{adapters}"

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from PIL import Image
 
 from .. import schedulers
 from ..errors import InvalidRequest
@@ -37,6 +38,7 @@ from ..sampling.images import canny_image
 from ..sampling.pipeline import Plan
 from ..sampling.preview import DecodedPreview, Previewer, PreviewMap, fit_preview
 from ..sampling.prompts import TokenizedPrompt
+from ..sampling.upscale import upscale_to
 from .batcher import Batcher
 from .hires import HiresFix, first_pass
 from .jobs import Jobs
@@ -93,7 +95,8 @@ class Engine:
         `core_pairs`: run each image on two CPU devices (engine/sampling/pairs.py); None: where `pair_cores()` asked
         for them in this process."""
         self.model = model
-        self.upscalers = upscalers or UpscalerFolder()
+        self.upscalers = upscalers or UpscalerFolder()  # hires fix's and the Extras' picture upscalers
+        self._upscaling = threading.Lock()
         self.family = model.family  # the family record's name: engine.families.FAMILIES
         self.label = model.label  # "Stable Diffusion XL Turbo"
         self.model_name = model.name
@@ -262,6 +265,13 @@ class Engine:
         ticket = Ticket(r, [note for note in notes if note], caller)
         self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
+
+    def upscale(self, picture: Image.Image, width: int, height: int, upscaler: str) -> Image.Image:
+        """A picture at width x height through one of this server's upscalers ("Lanczos", "Nearest" or a network of
+        `upscalers`), as A1111's Extras upscale it; one at a time (it takes the CPUs the drawings use). Refused by
+        name: an unknown upscaler, a size past the guard (sampling/upscale.py)."""
+        with self._upscaling:
+            return upscale_to(picture, width, height, self.upscalers.get(upscaler))
 
     def generate(self, prompt: str, progress: Callable[[int, int], None] | None = None, **fields) -> GenerationResult:
         """One request, waited for: the simple call. Every keyword is the `GenerationRequest` field of that name

@@ -17,6 +17,7 @@ from ..loading.lora import load_lora, lora_factors
 from ..loading.quantize import MODES as QUANTIZE_MODES
 from ..loading.quantize import quantize_params
 from ..loading.textual_inversion import attach_embeddings
+from ..loading.upscaler_folder import UpscalerFolder
 from ..loading.vae import attach_vae, load_vae
 from ..nn import onednn
 from .engine import Engine
@@ -98,6 +99,7 @@ def load_pipeline(
     config: str | os.PathLike | None = None,
     prediction_type: str | None = None,
     embeddings: str | os.PathLike | None = None,
+    upscalers: str | os.PathLike | None = None,
     **serving,
 ) -> Engine:
     """Loads a model: None (the embedded default), a diffusers-format folder or Hub id, or a single-file checkpoint
@@ -122,6 +124,8 @@ def load_pipeline(
     "off" (SD3 only: zeros in its place, as diffusers runs a folder without it). `embeddings`: a folder of textual
     inversion embeddings (A1111's `embeddings/`: `.pt`, `.bin`, `.safetensors`) or one file, each called in prompts by
     its file's name; in a folder, one that does not fit the model is skipped and `Engine.embeddings.skipped` says why.
+    `upscalers`: a folder of upscaler networks (ESRGAN, Real-ESRGAN, SRVGGNetCompact files), offered beside Lanczos and
+    Nearest to hires fix and `Engine.upscale`; each file's layout is told at start and its weights load at first use.
     """
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ConfigError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE_MODES)} (or None: no quantization)")
@@ -154,8 +158,15 @@ def load_pipeline(
         from ..loading.safety import load_safety_checker
 
         checker = load_safety_checker(model.config_folder or source, dtype)
+    folder = UpscalerFolder.for_models(upscalers=upscalers) if upscalers is not None else None
     engine = Engine(
-        model, devices=devices, images_per_device=images_per_device, safety=checker, loras=factors, **serving
+        model,
+        devices=devices,
+        images_per_device=images_per_device,
+        safety=checker,
+        loras=factors,
+        upscalers=folder,
+        **serving,
     )
     if not safety_checker:
         engine.safety_mode = "off"
