@@ -16,6 +16,7 @@ from PIL import Image
 
 import engine
 from tests._api_server import FakeEngine, fake_app, png
+from web.page import generate_signature
 from web.pictures import NOT_OURS, ClientFiles
 
 FORM = ["a cat", "", 7, 2, 7.5, "ddim", "64x64", 1, 0, 0.0]  # prompt ... token_merging, as the page's form
@@ -69,7 +70,9 @@ def queued(client, demo, name: str, data: list, session: str) -> dict:
 
 def generate_values(control_image=None, picture=None, mask=None, mode="Text to image") -> list:
     head = ["a cat", "", 7, False, 2, 7.5, "ddim", "64x64", 1]
-    return [*head, control_image, False, 1.0, None, mode, picture, mask, 0.5, 0, 0.0]
+    values = [*head, control_image, False, 1.0, None, mode, picture, mask, 0.5, 0, 0.0]
+    later = list(generate_signature()[0].parameters.values())[len(values) : -2]  # fields added since; then gradio's
+    return values + [p.default for p in later]
 
 
 def named(path: str, meta: bool) -> dict:
