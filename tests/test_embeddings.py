@@ -18,16 +18,12 @@ import pytest
 import tiny_pipeline
 import torch
 from diffusers import (
-    AutoencoderKL,
     DDIMScheduler,
-    EulerDiscreteScheduler,
-    StableDiffusionXLPipeline,
-    UNet2DConditionModel,
 )
 from flax import nnx
-from reference import CLIP_LAYOUTS, UNET_LAYOUTS, VAE_LAYOUT, randomize, rel_error
+from reference import rel_error
 from safetensors.numpy import save_file
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from test_prompts import tiny_sdxl
 
 from engine import load_pipeline
 from engine.errors import SourceError
@@ -38,7 +34,6 @@ from engine.loading.textual_inversion import attach_embeddings
 from engine.request import GenerationRequest
 from engine.sampling.pipeline import Plan, encode_prompts
 from engine.sampling.prompts import stack, tokenize_chunks
-from tools.tiny_tokenizer import write_tokenizer
 
 WIDTH = 32  # the tiny SD 1.x text encoder's (CLIP_LAYOUTS["sd1"])
 TOL = 1e-5  # f32: the same ids through the same weights, summed in another order
@@ -205,29 +200,7 @@ def test_a_file_that_does_not_fit_is_refused_by_name(sd1, tmp_path):
 
 @pytest.fixture(scope="module")
 def sdxl(tmp_path_factory):
-    tok_dir = tmp_path_factory.mktemp("sdxl-tokenizer")
-    vocab = write_tokenizer(tok_dir, WORDS)
-    ids = dict(vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
-    first = CLIPTextConfig(**CLIP_LAYOUTS["sd1"], **ids, pad_token_id=vocab - 1)  # width 32
-    second = CLIPTextConfig(**CLIP_LAYOUTS["sd2"], **ids, pad_token_id=0, projection_dim=24)  # width 48
-    unet = dict(
-        UNET_LAYOUTS["sdxl"],
-        layers_per_block=1,
-        cross_attention_dim=80,
-        projection_class_embeddings_input_dim=24 + 6 * UNET_LAYOUTS["sdxl"]["addition_time_embed_dim"],
-    )
-    reference = StableDiffusionXLPipeline(
-        vae=randomize(AutoencoderKL(**VAE_LAYOUT), 4, std=0.05),
-        text_encoder=randomize(CLIPTextModel(first), 1),
-        text_encoder_2=randomize(CLIPTextModelWithProjection(second), 2),
-        tokenizer=CLIPTokenizer.from_pretrained(str(tok_dir)),
-        tokenizer_2=CLIPTokenizer.from_pretrained(str(tok_dir), pad_token="!"),
-        unet=randomize(UNet2DConditionModel(**unet), 3),
-        scheduler=EulerDiscreteScheduler(),
-        add_watermarker=False,
-    )
-    folder = tmp_path_factory.mktemp("sdxl")
-    reference.save_pretrained(folder)
+    reference, folder = tiny_sdxl(tmp_path_factory, WORDS)
     pair = {"clip_l": vectors(2, 32, 8), "clip_g": vectors(2, 48, 9)}
     file = tmp_path_factory.mktemp("sdxl-embeddings") / "pairstyle.safetensors"
     save_file(pair, str(file))

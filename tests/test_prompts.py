@@ -326,10 +326,10 @@ def test_plain_prompt_conditioning_is_todays_bit_for_bit(sd1, sdxl, family):
 # --- SDXL ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
+def tiny_sdxl(tmp_path_factory, words) -> tuple[StableDiffusionXLPipeline, object]:
+    """A tiny SDXL pipeline (two CLIP encoders of widths 32 and 48, a tokenizer of `words`) and its saved folder."""
     tok_dir = tmp_path_factory.mktemp("sdxl-tokenizer")
-    vocab = write_tokenizer(tok_dir, WORDS)
+    vocab = write_tokenizer(tok_dir, words)
     ids = dict(vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
     first = CLIPTextConfig(**CLIP_LAYOUTS["sd1"], **ids, pad_token_id=vocab - 1)  # width 32, 3 layers
     second = CLIPTextConfig(**CLIP_LAYOUTS["sd2"], **ids, pad_token_id=0, projection_dim=24)  # width 48, 2 layers
@@ -351,6 +351,12 @@ def sdxl(tmp_path_factory):
     )
     folder = tmp_path_factory.mktemp("sdxl")
     reference.save_pretrained(folder)
+    return reference, folder
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    reference, folder = tiny_sdxl(tmp_path_factory, WORDS)
     loaded = load_model_folder(folder, "float32")
     return reference, loaded, nnx.merge(loaded.graphdef, loaded.params)
 
