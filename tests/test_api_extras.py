@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.numpy import save_file
 
+import engine
 from engine.loading.upscaler_folder import UpscalerFolder
 from engine.sampling.hires import LATENT_UPSCALERS
 from engine.sampling.upscale import upscale_to
@@ -163,3 +164,30 @@ def test_the_page_names_the_embeddings_a_prompt_may_call():
 
     assert "embeddings: mystyle, bad-hands" in handlers.model_summary(WithEmbeddings())
     assert "embeddings" not in handlers.model_summary(FakeEngine())
+
+
+def test_the_pages_upscale_uses_the_servers_upscalers_and_shows_only_where_there_are_some(tmp_path):
+    from web import handlers, page
+
+    tiny_compact(tmp_path)
+    pipe = UpscalingEngine(tmp_path)
+    source = picture()
+    got = handlers.upscale_picture(pipe, source, "2", "2x-Tiny")
+    assert np.array_equal(np.asarray(got), np.asarray(pipe.upscale(source, 48, 32, "2x-Tiny")))
+    for scale, message in (("9", "Upscale by must be from 1 to 4"), ("big", "Upscale by must be a number")):
+        with pytest.raises(engine.InvalidRequest, match=message):
+            handlers.upscale_picture(pipe, source, scale, "Lanczos")
+    with pytest.raises(engine.InvalidRequest, match="Upload a picture to upscale first"):
+        handlers.upscale_picture(pipe, None, 2, "Lanczos")
+
+    def shown(engine_face) -> bool:
+        props = {c["props"].get("label"): c["props"] for c in page.create_demo(engine_face).config["components"]}
+        return props["Upscale a picture"]["visible"]
+
+    assert shown(pipe) and not shown(FakeEngine())
+    dropdown = [
+        c["props"]
+        for c in page.create_demo(pipe).config["components"]
+        if c["props"].get("label") == "Upscaler" and c["props"].get("elem_id") is None
+    ]
+    assert [choice[0] for choice in dropdown[-1]["choices"]] == ["Lanczos", "Nearest", "2x-Tiny"]

@@ -36,6 +36,7 @@ FORM_FIELDS = form_fields()
 HISTORY_LENGTH = 20
 LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
+MAX_UPSCALE = 4.0  # the page's Upscale: at most this many times a picture's sides
 
 Update = tuple[list | None, int, str]  # (gallery, seed used, details); a None gallery is left as it is
 Progress = Callable[..., Any]  # progress((step, total), desc=..., unit=...), as Gradio's tracker takes it
@@ -317,6 +318,20 @@ class LiveTexts:
 def live_values(*form: Any) -> dict[str, Any]:
     """A live drawing's raw values: the form's, with its seed as it stands."""
     return dict(zip(form_fields(), form, strict=True), random_seed=False)
+
+
+def upscale_picture(pipe: engine.EngineFace, picture: Image.Image | None, scale: Any, upscaler: Any) -> Image.Image:
+    """The page's Upscale: a picture `scale` times larger through one of the server's upscalers (Extras' work)."""
+    if picture is None:
+        raise engine.InvalidRequest("Upload a picture to upscale first.")
+    try:
+        factor = float(scale)
+    except (TypeError, ValueError):
+        raise engine.InvalidRequest(f"Upscale by must be a number, not {scale!r}.") from None
+    if not 1 <= factor <= MAX_UPSCALE:
+        raise engine.InvalidRequest(f"Upscale by must be from 1 to {MAX_UPSCALE:g}, not {factor:g}.")
+    width, height = (round(side * factor) for side in picture.size)
+    return pipe.upscale(picture.convert("RGB"), width, height, str(upscaler))
 
 
 def control_preview(pipe: engine.EngineFace, picture: Image.Image | None, canny: bool) -> Image.Image | None:

@@ -242,6 +242,31 @@ def adapter_controls(pipe: engine.EngineFace, files: ClientFiles) -> list:
     return [picture, canny, scale, weights]
 
 
+def upscale_controls(pipe: engine.EngineFace, files: ClientFiles) -> None:
+    """Upscale a picture (an upload or one drawn here) with one of the server's upscalers, as A1111's Extras do;
+    shown only where the engine offers upscalers. One upscale at a time: it takes the CPUs the drawings use."""
+    folder = getattr(pipe, "upscalers", None)
+    names = folder.names() if folder is not None else []
+    with gr.Accordion("Upscale a picture", open=False, visible=bool(names)):
+        with gr.Row():
+            source = gr.Image(label="Picture", type="pil", sources=["upload", "clipboard"], elem_id="upscale-in")
+            shown = gr.Image(label="Upscaled", interactive=False, format="png", elem_id="upscale-out")
+        scale = gr.Slider(1.0, handlers.MAX_UPSCALE, value=2.0, step=0.5, label="Upscale by", elem_id="upscale-by")
+        upscaler = gr.Dropdown(names or ["Lanczos"], value=(names or ["Lanczos"])[0], label="Upscaler")
+        button = gr.Button("Upscale", elem_id="upscale")
+
+    async def upscale(raw, by, name):
+        try:  # preprocess=False: the picture is opened here, only as `files` allows
+            picture = files.picture(raw, "The picture to upscale")
+            return await asyncio.to_thread(handlers.upscale_picture, pipe, picture, by, name)
+        except engine.InvalidRequest as e:
+            raise refuse(str(e)) from None
+
+    button.click(
+        upscale, [source, scale, upscaler], [shown], api_visibility="private", preprocess=False, concurrency_limit=1
+    )
+
+
 # ---- the page ----------------------------------------------------------------------------
 
 
@@ -354,6 +379,7 @@ def create_demo(
                         if f.page.section == "hires":
                             controls[name] = field_control(pipe, name)
                 adapters = adapter_controls(pipe, files)
+                upscale_controls(pipe, files)
                 with gr.Accordion("PNG info: drop a picture to reuse its settings", open=False):
                     # A file, not an image widget: the picture's bytes arrive as they are, text chunks included.
                     dropped = gr.File(file_types=[".png"], type="filepath", show_label=False, elem_id="pnginfo")
