@@ -231,5 +231,7 @@ def test_image_to_image_and_inpainting_with_a_painted_mask(page, tmp_path_factor
         expect(page.locator("#info")).to_contain_text("96×64")
         captions = page.locator("#gallery").get_by_text(re.compile(r"^\S+:\d+(\+\d+)? · seed \d+$"))
         expect(captions.first).to_be_visible()
-        assert images.first.evaluate("img => img.complete && img.naturalWidth === 96 && img.naturalHeight === 64")
+        # The picture at its own size, once the browser has loaded it (the caption can come a moment before).
+        for name, value in (("complete", True), ("naturalWidth", 96), ("naturalHeight", 64)):
+            expect(images.first).to_have_js_property(name, value)
     page.locator("#mode").get_by_label("Text to image").check()  # the next test draws from text again
