@@ -91,22 +91,33 @@ def select_hub_files(files: list[str], variant: str | None = None, safety_checke
     return sorted(set(wanted))
 
 
-def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = False) -> Path:
+def hub_files_or_cache(repo_id: str, hint: str) -> list[str] | Path:
+    """A Hub repository's file names; offline (or unreachable), the folder of its local snapshot instead, which is
+    then all there is to read. Neither: SourceError saying `hint` and why the Hub could not be asked."""
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    try:
+        return huggingface_hub.list_repo_files(repo_id)
+    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
+        try:
+            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+        except Exception as cache_err:
+            raise SourceError(f"{hint} ({type(err).__name__}: {err})") from cache_err
+
+
+def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = False) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
 
     offline_hint = (
         f"cannot fetch {repo_id!r} from the Hugging Face Hub and it is not in the local cache. "
         f"Download it where there is a network (`hf download {repo_id} --local-dir DIR`) "
         "and pass that folder instead (--model DIR or MODEL_ID=DIR)."
     )
-    try:
-        files = huggingface_hub.list_repo_files(repo_id)
-    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
-        try:  # offline: whatever the local cache holds
-            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
-        except Exception as cache_err:
-            raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from cache_err
+    files = hub_files_or_cache(repo_id, offline_hint)
+    if isinstance(files, Path):
+        return files
     patterns = select_hub_files(files, variant, safety_checker)
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
@@ -126,16 +137,12 @@ def _fetch_component(repo_id: str, variant: str | None, what: str, subfolder: st
     """A Hub repository holding one model (config.json and its weights at the top, or in `subfolder/` of a
     pipeline repository), downloaded; offline, whatever the local cache holds."""
     import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError
 
     hint = f"cannot fetch the {what} {repo_id!r} from the Hugging Face Hub and it is not in the local cache"
-    try:
-        files = huggingface_hub.list_repo_files(repo_id)
-    except (OfflineModeIsEnabled, OSError, HfHubHTTPError) as err:
-        try:
-            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
-        except Exception as cache_err:
-            raise SourceError(f"{hint} ({type(err).__name__}: {err})") from cache_err
+    files = hub_files_or_cache(repo_id, hint)
+    if isinstance(files, Path):
+        return files
     inner = "config.json" not in files and f"{subfolder}/config.json" in files
     prefix = f"{subfolder}/" if inner else ""
     by_variant: dict[str | None, list[str]] = {}
