@@ -60,8 +60,6 @@ for _kind, _name in SAMPLER_NAMES.items():  # takes its own Euler for it (web/na
 _PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _NEGATIVE = "Negative prompt:"
-# The keys of the recipe's own fields besides the request fields' (`request_fields.FIELDS`, their `png` keys).
-_CORE = ("Sampler", "Schedule type", "Size", "Model")
 # A1111's order for the keys that lead its line; the others follow in the order they came.
 _ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model")
 
@@ -155,9 +153,9 @@ class GenerationParameters:
     def from_request(cls, request: GenerationRequest, seed: int, model: str) -> GenerationParameters:
         """The recipe of one picture of a complete request (`Limits.resolve` has filled in the defaults)."""
         recorded = {}
+        pictured = request.image is not None or getattr(request, "hires", False)  # hires: redrawn as a picture
         for name, f in _recorded().items():
             value = seed if name == "seed" else getattr(request, name, f.default)
-            pictured = request.image is not None or getattr(request, "hires", False)  # hires: redrawn as a picture
             if f.needs_image and not pictured or not f.is_written(value):
                 value = _unset(f)  # written only with a picture (denoising strength); or off (deep cache 1)
             recorded[name] = value if value is None else f.type(value)
@@ -208,8 +206,8 @@ def _number(value: float) -> str:
     return str(int(value)) if value.is_integer() else repr(value)
 
 
-def format_parameters(params: GenerationParameters) -> str:
-    """The text of the "parameters" chunk, laid out as A1111's `create_infotext` lays it out."""
+def settings(params: GenerationParameters) -> dict[str, str]:
+    """The settings line's keys and values as text, in A1111's order (its leading keys, then as they came)."""
     own: dict[str, str] = {}
     if params.scheduler is not None and params.scheduler not in SAMPLER_NAMES:
         raise ValueError(f"unknown scheduler {params.scheduler!r}; one of {', '.join(SAMPLER_NAMES)}")
@@ -231,7 +229,12 @@ def format_parameters(params: GenerationParameters) -> str:
         own["Model"] = params.model
     pairs = {**params.extra, **own}  # our fields win over a stale copy in `extra`
     ordered = [key for key in _ORDER if key in pairs] + [key for key in pairs if key not in _ORDER]
-    line = ", ".join(f"{key}: {quote(pairs[key])}" for key in ordered)
+    return {key: pairs[key] for key in ordered}
+
+
+def format_parameters(params: GenerationParameters) -> str:
+    """The text of the "parameters" chunk, laid out as A1111's `create_infotext` lays it out."""
+    line = ", ".join(f"{key}: {quote(value)}" for key, value in settings(params).items())
     negative = f"\n{_NEGATIVE} {params.negative_prompt}" if params.negative_prompt else ""
     return f"{params.prompt}{negative}\n{line}".strip()
 
@@ -319,10 +322,7 @@ def parse_parameters(text: str) -> GenerationParameters:
 def infotext_items(params: GenerationParameters) -> dict[str, str]:
     """The recipe as A1111's `/png-info` gives its `parameters`: "Prompt", "Negative prompt", then each key of the
     settings line with its value as text."""
-    text = format_parameters(params)
-    last = text.rsplit("\n", 1)[-1]
-    pairs = {key: _unquote(value) if value.startswith('"') else value for key, value in _PARAM.findall(last)}
-    return {"Prompt": params.prompt, "Negative prompt": params.negative_prompt, **pairs}
+    return {"Prompt": params.prompt, "Negative prompt": params.negative_prompt, **settings(params)}
 
 
 def save_png(image: Image.Image, target: str | PathLike | IO[bytes], params: GenerationParameters) -> None:

@@ -89,7 +89,8 @@ class Engine:
         core_pairs: bool | None = None,
         upscalers: UpscalerFolder | None = None,
     ):
-        """`upscalers`: hires fix's picture upscalers beside the latent ones (default: Lanczos and Nearest). `sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
+        """`upscalers`: hires fix's picture upscalers beside the latent ones (default: Lanczos and Nearest).
+        `sizes`: the (width, height) pairs served; "common" for the model's own and common aspect ratios,
         None for any size in range. `max_batch_size` is rounded up to a multiple of the device count.
         `preview_every_s`: a request's live previews come at most this often.
         `core_pairs`: run each image on two CPU devices (engine/sampling/pairs.py); None: where `pair_cores()` asked
@@ -252,13 +253,16 @@ class Engine:
         if r.hires:  # two passes, each an ordinary request (serving/hires.py)
             first = self._submit(first_pass(r), caller)
             ticket = Ticket(r, first.warnings, caller)
-            HiresFix(r, ticket, self._submit, self.upscalers.get).start(first)
+            HiresFix(r, ticket, self._submit_second, self.upscale).start(first)
             return ticket
         return self._submit(r, caller)
 
+    def _submit_second(self, r: GenerationRequest, caller: str) -> Ticket:
+        """Hires fix's second pass of one picture: checked as any image-to-image request, then queued."""
+        return self._submit(self.limits.resolve(r, self.defaults, self.images_per_device), caller)
+
     def _submit(self, r: GenerationRequest, caller: str = "") -> Ticket:
         """A resolved request to the batcher."""
-        r = self.limits.resolve(r, self.defaults, self.images_per_device)
         prompts = self.prompts(r)
         plan = self.plan(r, max(p.chunks for p in prompts))
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]

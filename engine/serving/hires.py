@@ -11,21 +11,18 @@ bar over the two passes, previews of either, and the second pass's pictures; Sto
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import Cancelled
-from ..request import HIRES_STRENGTH, GenerationRequest, GenerationResult
+from ..request import GenerationRequest, GenerationResult
 from ..sampling.hires import LATENT_UPSCALERS, hires_steps, upscale_latents
-from ..sampling.upscale import upscale_to
 from .ticket import Failed, Finished, Preview, Progress, Queued, Ticket
 
-log = logging.getLogger("jax-sd")
-
 Submit = Callable[[GenerationRequest, str], Ticket]
+Upscale = Callable[..., object]  # (picture, width, height, upscaler name) -> picture: `Engine.upscale`
 
 
 def first_pass(r: GenerationRequest) -> GenerationRequest:
@@ -41,8 +38,9 @@ def first_pass(r: GenerationRequest) -> GenerationRequest:
     )
 
 
-def second_passes(r: GenerationRequest, first: GenerationResult, upscaler) -> list[GenerationRequest]:
-    """One image-to-image request per picture of the first pass, at the hires size, from its own seed."""
+def second_passes(r: GenerationRequest, first: GenerationResult, upscale: Upscale) -> list[GenerationRequest]:
+    """One image-to-image request per picture of the first pass, at the hires size, from its own seed. `r` is
+    resolved: its strength is set (0.7 where none was given)."""
     width, height = r.hires_size()
     base = dataclasses.replace(
         first_pass(r),
@@ -50,7 +48,7 @@ def second_passes(r: GenerationRequest, first: GenerationResult, upscaler) -> li
         height=height,
         num_images=1,
         num_inference_steps=hires_steps(r.num_inference_steps, r.hires_steps),
-        strength=HIRES_STRENGTH if r.strength is None else r.strength,
+        strength=r.strength,
         latents=None,
         return_latents=False,
     )
@@ -60,7 +58,7 @@ def second_passes(r: GenerationRequest, first: GenerationResult, upscaler) -> li
         return [
             dataclasses.replace(base, seed=seed, image_latents=latents[k : k + 1]) for k, seed in enumerate(first.seeds)
         ]
-    pictures = [upscale_to(image, width, height, upscaler) for image in first.images]
+    pictures = [upscale(image, width, height, r.hires_upscaler) for image in first.images]
     return [
         dataclasses.replace(base, seed=seed, image=picture) for seed, picture in zip(first.seeds, pictures, strict=True)
     ]
@@ -84,20 +82,17 @@ def _joined(r: GenerationRequest, first: GenerationResult, results: list[Generat
 
 
 class HiresFix:
-    """Runs one hires request's two passes through `submit` (the engine's, with the caller) in a thread of its own,
-    and tells the request's `ticket` what happens."""
+    """Runs one resolved hires request's two passes in a thread of its own, and tells the request's `ticket` what
+    happens: `submit` queues a second pass (with the caller), `upscale` upscales a picture (the engine's, one at a
+    time)."""
 
-    def __init__(self, r: GenerationRequest, ticket: Ticket, submit: Submit, upscaler_for: Callable[[str], object]):
-        self.r, self.ticket, self.submit, self.upscaler_for = r, ticket, submit, upscaler_for
+    def __init__(self, r: GenerationRequest, ticket: Ticket, submit: Submit, upscale: Upscale):
+        self.r, self.ticket, self.submit, self.upscale = r, ticket, submit, upscale
         self._running: list[Ticket] = []
         self._lock = threading.Lock()
-        self.second_steps = max(int(hires_steps(r.num_inference_steps, r.hires_steps) * self._strength), 1)
+        self.second_steps = max(int(hires_steps(r.num_inference_steps, r.hires_steps) * r.strength), 1)
         self.total = int(r.num_inference_steps) + self.second_steps
         ticket._on_cancel = self._cancel
-
-    @property
-    def _strength(self) -> float:
-        return HIRES_STRENGTH if self.r.strength is None else float(self.r.strength)
 
     def _cancel(self) -> None:
         with self._lock:
@@ -138,8 +133,7 @@ class HiresFix:
         try:
             self._forward(first_ticket, float(self.r.num_inference_steps), done)
             first = first_ticket.result()
-            upscaler = None if self.r.hires_upscaler in LATENT_UPSCALERS else self.upscaler_for(self.r.hires_upscaler)
-            requests = second_passes(self.r, first, upscaler)
+            requests = second_passes(self.r, first, self.upscale)
             tickets = []
             for request in requests:
                 inner = self._start(request)
