@@ -191,3 +191,33 @@ def test_the_pages_upscale_uses_the_servers_upscalers_and_shows_only_where_there
         if c["props"].get("label") == "Upscaler" and c["props"].get("elem_id") is None
     ]
     assert [choice[0] for choice in dropdown[-1]["choices"]] == ["Lanczos", "Nearest", "2x-Tiny"]
+
+
+def test_the_extras_doors_refuse_strangers_huge_pictures_and_paths_they_may_not_open(tmp_path):
+    import asyncio
+
+    import gradio as gr
+
+    from tests._api_server import png_claiming
+    from web import page
+    from web.pictures import ClientFiles
+
+    tiny_compact(tmp_path)
+    pipe = UpscalingEngine(tmp_path)
+    body = {"image": b64png(picture()), "upscaler_1": "Lanczos"}
+    with TestClient(fake_app(pipe, api_keys=["sk-extras"])) as client:
+        for path in ("/sdapi/v1/extra-single-image", "/sdapi/v1/png-info"):
+            assert client.post(path, json=body).status_code == 401  # credentials set: no anonymous call
+        assert client.get("/sdapi/v1/upscalers").status_code == 401
+        signed = {"Authorization": "Bearer sk-extras"}
+        huge = {**body, "image": base64.b64encode(png_claiming(20000, 20000)).decode()}
+        answer = client.post("/sdapi/v1/extra-single-image", json=huge, headers=signed)
+        assert answer.status_code == 422 and "image is too large" in answer.json()["detail"]
+        assert client.post("/sdapi/v1/extra-single-image", json=body, headers=signed).status_code == 200
+    # The page's Upscale opens only an upload or a picture this server wrote: a path a client names is refused.
+    secret = tmp_path / "secret.png"
+    picture().save(secret)
+    demo = page.create_demo(pipe, files=ClientFiles(10**6, upload_folder=tmp_path / "uploads"))
+    (upscale,) = [fn.fn for fn in demo.fns.values() if getattr(fn.fn, "__name__", "") == "upscale"]
+    with pytest.raises(gr.Error, match="The picture to upscale is not a picture uploaded to this server"):
+        asyncio.run(upscale({"path": str(secret)}, 2, "Lanczos"))
