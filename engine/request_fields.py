@@ -1,5 +1,6 @@
 """Each field of a `GenerationRequest`, described once: what it means, its type, default and range, its names at
-every door (AUTOMATIC1111's body or settings, PNG parameters, OpenAI's extra body) and where it sits on the page.
+every door (AUTOMATIC1111's body or settings, PNG parameters, OpenAI's extra body, ComfyUI's graph) and where it
+sits on the page.
 
 The doors derive what they show from `FIELDS`: the page's controls and `/generate`'s parameters (web/page.py), the
 REST parser (web/requests.py), the A1111 and OpenAI body models (web/a1111_models.py, web/openai_images.py), PNG
@@ -52,6 +53,7 @@ class RequestField:
     png: str | None = None  # the key in PNG parameters (A1111's infotext)
     png_by_scheduler: tuple[tuple[str, str], ...] = ()  # (scheduler, key) where A1111 writes another key for one
     openai: str | None = None  # the name in OpenAI's body, as an extra field
+    comfy: tuple[str, str] | None = None  # ComfyUI's graph: (the node's role, its input): ("sampler", "steps")
     needs_image: bool = False  # only with a picture: A1111's img2img, OpenAI's edits, PNG only then
     written: Callable[[Any], bool] | None = None  # PNG: written when this holds (default: set and not the default)
     to_a1111: Callable[[Any], Any] | None = None  # ours -> A1111's value, in its body and in PNG parameters
@@ -124,6 +126,7 @@ FIELDS: tuple[RequestField, ...] = (
         a1111="seed",
         png="Seed",
         openai="seed",
+        comfy=("sampler", "seed"),
         written=lambda seed: seed is not None,
     ),
     RequestField(
@@ -137,6 +140,7 @@ FIELDS: tuple[RequestField, ...] = (
         a1111="steps",
         png="Steps",
         openai="num_inference_steps",
+        comfy=("sampler", "steps"),
     ),
     RequestField(
         "guidance_scale",
@@ -149,6 +153,7 @@ FIELDS: tuple[RequestField, ...] = (
         a1111="cfg_scale",
         png="CFG scale",
         openai="guidance_scale",
+        comfy=("sampler", "cfg"),
     ),
     RequestField(
         "scheduler",
@@ -160,9 +165,15 @@ FIELDS: tuple[RequestField, ...] = (
         page=OnPage("advanced", "dropdown", "Scheduler"),
         openai="scheduler",  # A1111 names samplers its own way (web/names.py); PNG: "Sampler", "Schedule type"
     ),
-    RequestField("width", int, None, "the picture's width in pixels.", a1111="width"),  # the page: its size
-    RequestField("height", int, None, "the picture's height in pixels.", a1111="height"),  # OpenAI: `size`
-    RequestField("num_images", int, None, "how many pictures; default: one per device."),  # each door counts its own
+    RequestField(
+        "width", int, None, "the picture's width in pixels.", a1111="width", comfy=("latent", "width")
+    ),  # the page: its size
+    RequestField(
+        "height", int, None, "the picture's height in pixels.", a1111="height", comfy=("latent", "height")
+    ),  # OpenAI: `size`
+    RequestField(
+        "num_images", int, None, "how many pictures; default: one per device.", comfy=("latent", "batch_size")
+    ),  # A1111 and OpenAI count their own
     RequestField(
         "strength",
         float,
@@ -174,6 +185,7 @@ FIELDS: tuple[RequestField, ...] = (
         a1111="denoising_strength",
         png="Denoising strength",
         openai="strength",
+        comfy=("sampler", "denoise"),
         needs_image=True,
     ),
     RequestField(

@@ -1,6 +1,7 @@
 """Other APIs' names for our values, in one place: AUTOMATIC1111's samplers, schedules, clip skip and `<lora:...>`
-tags, and OpenAI's sizes and schedulers. The doors (a1111.py, openai_images.py) ask here and never spell a
-foreign name themselves; every function raises `engine.InvalidRequest` with the names it accepts.
+tags, OpenAI's sizes and schedulers, and ComfyUI's sampler and scheduler names. The doors (a1111.py,
+openai_images.py, comfy.py) ask here and never spell a foreign name themselves; every function raises
+`engine.InvalidRequest` with the names it accepts.
 
 A1111 1.9 split a sampler (the algorithm: "DPM++ 2M") from its scheduler (the noise schedule: "Karras"); a
 client may also send the older joined name ("DPM++ 2M Karras"). Our scheduler kinds are the pairs, and
@@ -142,3 +143,48 @@ def openai_size(value: Any) -> tuple[int | None, int | None]:
     if not match:
         raise _refuse(f"size must be written WIDTHxHEIGHT, like 512x512, or auto; not {value!r}")
     return int(match.group(1)), int(match.group(2))
+
+
+# ComfyUI's KSampler names (k-diffusion's) -> A1111's sampler, and its schedulers -> A1111's schedules ("normal",
+# "simple", "sgm_uniform" and "ddim_uniform" all space the model's own steps evenly: our "uniform").
+COMFY_SAMPLERS = {
+    "euler": "Euler",
+    "euler_ancestral": "Euler a",
+    "dpmpp_2m": "DPM++ 2M",
+    "ddim": "DDIM",
+    "lcm": "LCM",
+    "tcd": "TCD",
+}
+COMFY_SCHEDULERS = {
+    "normal": "uniform",
+    "simple": "uniform",
+    "sgm_uniform": "uniform",
+    "ddim_uniform": "uniform",
+    "karras": "karras",
+}
+
+
+def comfy_samplers(pipe: engine.EngineFace) -> list[str]:
+    """ComfyUI's names of the samplers this model serves (KSampler's `sampler_name` choices)."""
+    offered = samplers(pipe)
+    return [name for name, a1111 in COMFY_SAMPLERS.items() if a1111 in offered]
+
+
+def comfy_schedulers(pipe: engine.EngineFace) -> list[str]:
+    """ComfyUI's names of the schedules some sampler of this model runs (KSampler's `scheduler` choices)."""
+    schedules = {KINDS[kind][1] for kind in pipe.limits.schedulers if kind in KINDS}
+    return [name for name, schedule in COMFY_SCHEDULERS.items() if schedule in schedules]
+
+
+def comfy_scheduler(pipe: engine.EngineFace, sampler_name: Any, scheduler: Any) -> str:
+    """Our scheduler kind for ComfyUI's KSampler `sampler_name` and `scheduler`."""
+    sampler = COMFY_SAMPLERS.get(sampler_name) if isinstance(sampler_name, str) else None
+    if sampler is None or sampler_name not in comfy_samplers(pipe):
+        raise _refuse(f"unknown sampler_name {sampler_name!r}; this server offers: {', '.join(comfy_samplers(pipe))}")
+    schedule = COMFY_SCHEDULERS.get(scheduler) if isinstance(scheduler, str) else None
+    if schedule is None:
+        raise _refuse(f"unknown scheduler {scheduler!r}; this server offers: {', '.join(comfy_schedulers(pipe))}")
+    kind = _kind_of(pipe, (sampler, schedule))
+    if kind is None:
+        raise _refuse(f"sampler_name {sampler_name!r} has no {scheduler!r} schedule here; use normal")
+    return kind
