@@ -67,6 +67,9 @@ class GenerationRequest:
     # second pass after a latent upscaler); and hand the final latents back in the result (its first pass).
     image_latents: np.ndarray | None = field(default=None, compare=False, repr=False)
     return_latents: bool = False
+    # Which model draws, on a server of several (`--models DIR`): a title, name, file name or hash as A1111's
+    # /sdapi/v1/sd-models lists them; the pool sets it to the model's title. None: the server's default model.
+    model: str | None = None
 
     @property
     def guided(self) -> bool:

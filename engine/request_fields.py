@@ -328,6 +328,14 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("latents", object, None, "the starting noise, [n, c, h/8, w/8]; for scripts, not the doors."),
     RequestField("image_latents", object, None, "start from these scaled latents [1, h/8, w/8, c]; for scripts."),
     RequestField("return_latents", bool, False, "hand the final latents back in the result; for scripts."),
+    RequestField(
+        "model",
+        str,
+        None,
+        "which of the server's models draws (a title, name or hash as /sdapi/v1/sd-models lists them); none: the "
+        "server's default.",
+        a1111_setting="sd_model_checkpoint",  # OpenAI's `model` and the page's model dropdown are their doors' own
+    ),
 )
 
 
