@@ -132,7 +132,7 @@ def tables(
     inpaint: bool = False,
     eta: float = 0.0,
     image_tokens: int | None = None,
-    uniform_sigmas: bool = False,
+    uniform_sigmas: bool | str = False,
 ) -> Tables:
     """Host-side schedule for `num_inference_steps`, padded to the static `max_steps`.
 
@@ -142,7 +142,8 @@ def tables(
     `eta` in [0, 1] is the stochasticity diffusers' pipelines pass to `step` (DDIM's eta, TCD's gamma); kinds without
     one ignore it, as the pipelines do. It changes table values only, never the compiled program.
     The flow kinds read two more: `image_tokens`, the picture's token count a dynamically shifted schedule
-    shifts by, and `uniform_sigmas`, the sigmas linspace(1, 1/n, n) that FluxPipeline hands its scheduler.
+    shifts by, and `uniform_sigmas`, the sigmas linspace(1, 1/n, n) that FluxPipeline (True or "numpy") or
+    ZImagePipeline ("torch": torch's float32 linspace) hands its scheduler.
     """
     module, s = get(kind), settings(config, kind)
     n = int(num_inference_steps)

@@ -12,6 +12,10 @@ evenly and then shifted towards the noisy end, `shift * s / (1 + (shift - 1) s)`
 exp(mu) / (exp(mu) + (1 / s - 1)). As diffusers, the static shift is applied twice over: once to the training
 sigmas whose ends the schedule spans, once to the spaced schedule.
 
+Some pipelines hand `set_timesteps` sigmas of their own, linspace(1, 1/n, n), which are then shifted as above:
+FluxPipeline computes them in numpy's float64 ("numpy"), ZImagePipeline in torch's float32 ("torch",
+`get_default_z_image_sigmas`); the two differ in the last bit of about half the values, and so do the timesteps.
+
 Image-to-image starts at the step `strength` selects, as diffusers' SD3 and FLUX img2img pipelines count it
 (`int(n - n * strength)`, not the `n - int(n * strength)` of the SD pipelines), from
 `scale_noise(image, noise, sigma) = (1 - sigma) image + sigma noise`.
@@ -61,15 +65,45 @@ def _time_shift(s: dict[str, Any], mu: float, sigmas: np.ndarray) -> np.ndarray:
     return mu / (mu + (1 / sigmas - 1))
 
 
-def sigmas_for(s: dict[str, Any], n: int, image_tokens: int | None, uniform: bool) -> np.ndarray:
+UNIFORM = ("numpy", "torch")  # whose linspace(1, 1/n, n) a pipeline hands the scheduler (True: "numpy")
+
+
+def torch_linspace(start: float, end: float, n: int) -> np.ndarray:
+    """`torch.linspace(start, end, n)` in float32 as torch computes it on the CPU, bit for bit: the step in float32,
+    the first half counted up from `start` and the second down from `end`, each value rounded once from the exact
+    `start + step * i` (its kernel's fused multiply-add; exact in float64, whose 53 bits hold the product)."""
+    f32 = np.float32
+    first, last = f32(start), f32(end)
+    if n == 1:
+        return np.array([first])
+    step = f32((last - first) / f32(n - 1))
+    i = np.arange(n)
+    up = (np.float64(first) + np.float64(step) * i).astype(f32)
+    down = (np.float64(last) - np.float64(step) * (n - 1 - i)).astype(f32)
+    return np.where(i < n // 2, up, down)
+
+
+def uniform_sigmas(n: int, uniform: bool | str) -> np.ndarray:
+    """The sigmas linspace(1, 1/n, n) (float32) that a pipeline hands `set_timesteps`: FluxPipeline's numpy
+    float64 ones ("numpy", or True) or ZImagePipeline's torch float32 ones ("torch")."""
+    kind = "numpy" if uniform is True else uniform
+    if kind not in UNIFORM:
+        raise ValueError(f"uniform sigmas are computed as {' or '.join(UNIFORM)} computes them, not {uniform!r}")
+    if kind == "torch":
+        return torch_linspace(1.0, 1 / n, n)
+    return np.linspace(1.0, 1 / n, n).astype(np.float32)
+
+
+def sigmas_for(s: dict[str, Any], n: int, image_tokens: int | None, uniform: bool | str) -> np.ndarray:
     """The n shifted sigmas of `set_timesteps` (float32, descending), without the terminal 0.
 
-    `uniform`: the sigmas FluxPipeline hands `set_timesteps`, linspace(1, 1/n, n); otherwise the scheduler's
-    own, evenly spaced between its training schedule's first and last sigma.
+    `uniform`: the sigmas a pipeline hands `set_timesteps`, linspace(1, 1/n, n) as `uniform_sigmas` computes them
+    (True or "numpy": FluxPipeline's; "torch": ZImagePipeline's); False: the scheduler's own, evenly spaced between
+    its training schedule's first and last sigma.
     """
     T, shift = s["num_train_timesteps"], s["shift"]
     if uniform:
-        sigmas = np.linspace(1.0, 1 / n, n).astype(np.float32)
+        sigmas = uniform_sigmas(n, uniform)
     else:
         train = np.linspace(1, T, T, dtype=np.float32)[::-1] / T  # float32, as the torch tensor
         if not s["use_dynamic_shifting"]:
