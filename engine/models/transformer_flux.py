@@ -109,8 +109,11 @@ def position_ids(text_tokens: int, rows: int, cols: int) -> np.ndarray:
     return np.concatenate([np.zeros((text_tokens, 3)), image.reshape(rows * cols, 3)])
 
 
-def rope_tables(axes_dims: tuple[int, ...], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`FluxPosEmbed`: cos and sin [tokens, head_dim / 2] f32, one angle per pair of features.
+def rope_tables(
+    axes_dims: tuple[int, ...], ids: np.ndarray, theta: float = ROPE_THETA
+) -> tuple[np.ndarray, np.ndarray]:
+    """`FluxPosEmbed` (and FLUX.2's `Flux2PosEmbed`, 4 axes, theta 2000): cos and sin [tokens, head_dim / 2] f32,
+    one angle per pair of features.
 
     In float64 on the host as diffusers computes them (its `freqs_dtype`), then f32. diffusers repeats each
     value twice (`repeat_interleave_real`) to cover both features of a pair; `apply_rope` reads them per pair.
@@ -118,7 +121,7 @@ def rope_tables(axes_dims: tuple[int, ...], ids: np.ndarray) -> tuple[np.ndarray
     """
     angles = []
     for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / ROPE_THETA ** (np.arange(0, dim, 2, dtype=np.float64) / dim)  # [dim / 2]
+        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)  # [dim / 2]
         angles.append(np.outer(ids[:, axis].astype(np.float32).astype(np.float64), freqs))
     angle = np.concatenate(angles, axis=-1)  # [tokens, head_dim / 2]
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
@@ -140,26 +143,44 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 Rope = tuple[jax.Array, jax.Array]  # cos, sin [tokens, head_dim / 2] of the joint sequence
 
 
+def rope_attention(q: jax.Array, k: jax.Array, v: jax.Array, rope: Rope, dtype) -> jax.Array:
+    """RoPE on the normed q and k, one attention over the sequence: [batch, tokens, heads, head_dim] ->
+    [batch, tokens, heads * head_dim] in `dtype`."""
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    out = dot_product_attention(q, k, v)  # [batch, tokens, heads, head_dim]
+    return out.reshape(*out.shape[:2], -1).astype(dtype)
+
+
 class FluxAttention(nnx.Module):
     """`FluxAttention` with `FluxAttnProcessor`: per-head RMS-normed q and k, RoPE, one attention.
 
     With `joint`, the text has projections of its own (`add_*_proj`, `norm_added_*`, `to_add_out`) and joins the
     sequence in front of the image; without (the single-stream blocks) the input is the joined sequence already
-    and there is no output projection (`pre_only`).
+    and there is no output projection (`pre_only`). FLUX.2's `Flux2Attention` (double-stream) is the joint kind
+    with no biases (`bias=False`) and the config's `eps`.
     """
 
-    def __init__(self, dim: int, heads: int, head_dim: int, joint: bool, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        joint: bool,
+        rngs: nnx.Rngs,
+        bias: bool = True,
+        eps: float = NORM_EPS,
+    ):
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
-        self.norm_q = RMSNorm(head_dim, NORM_EPS, rngs)
-        self.norm_k = RMSNorm(head_dim, NORM_EPS, rngs)
-        self.to_q, self.to_k, self.to_v = (linear(dim, inner, rngs) for _ in range(3))
-        self.to_out = nnx.List([linear(inner, dim, rngs)]) if joint else None  # to_out[1] is Dropout
+        self.norm_q = RMSNorm(head_dim, eps, rngs)
+        self.norm_k = RMSNorm(head_dim, eps, rngs)
+        self.to_q, self.to_k, self.to_v = (linear(dim, inner, rngs, bias=bias) for _ in range(3))
+        self.to_out = nnx.List([linear(inner, dim, rngs, bias=bias)]) if joint else None  # to_out[1] is Dropout
         if joint:
-            self.norm_added_q = RMSNorm(head_dim, NORM_EPS, rngs)
-            self.norm_added_k = RMSNorm(head_dim, NORM_EPS, rngs)
-            self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(dim, inner, rngs) for _ in range(3))
-            self.to_add_out = linear(inner, dim, rngs)
+            self.norm_added_q = RMSNorm(head_dim, eps, rngs)
+            self.norm_added_k = RMSNorm(head_dim, eps, rngs)
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(dim, inner, rngs, bias=bias) for _ in range(3))
+            self.to_add_out = linear(inner, dim, rngs, bias=bias)
 
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)  # [batch, tokens, heads, head_dim]
@@ -174,9 +195,7 @@ class FluxAttention(nnx.Module):
             added = (self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q, self.norm_added_k)
             cq, ck, cv = self._qkv(context, *added)
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))  # text first
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = dot_product_attention(q, k, v)  # [batch, tokens, heads, head_dim]
-        out = out.reshape(*out.shape[:2], -1).astype(x.dtype)  # [batch, tokens, inner]
+        out = rope_attention(q, k, v, rope, x.dtype)  # [batch, tokens, inner]
         if context is None:
             return out
         text = context.shape[1]
@@ -194,15 +213,22 @@ class FluxTransformerBlock(nnx.Module):
         self.ff_context = FeedForward(dim, rngs)
 
     def __call__(self, x: jax.Array, context: jax.Array, temb: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
-        attn, context_attn = self.attn(modulate(x, shift, scale), rope, modulate(context, c_shift, c_scale))
-        x = x + gate[:, None] * attn
-        x = x + gate_mlp[:, None] * self.ff(modulate(x, shift_mlp, scale_mlp))
-        context = context + c_gate[:, None] * context_attn
-        context = context + c_gate_mlp[:, None] * self.ff_context(modulate(context, c_shift_mlp, c_scale_mlp))
-        # diffusers clips fp16 to its range here; bf16 and f32 reach 3e38, so nothing is clipped.
-        return x, context
+        return double_stream(self, x, context, self.norm1(temb), self.norm1_context(temb), rope)
+
+
+def double_stream(block, x, context, image_mod, text_mod, rope: Rope, eps: float = NORM_EPS):
+    """One double-stream block's arithmetic, FLUX.1's and FLUX.2's alike: `block.attn` (joint), `block.ff` and
+    `block.ff_context` applied under the image's and the text's 6 modulation vectors (shift, scale, gate of the
+    attention, then of the MLP, each [batch, dim]). FLUX.1 computes them in the block, FLUX.2 once for all blocks."""
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = image_mod
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_mod
+    attn, context_attn = block.attn(modulate(x, shift, scale, eps), rope, modulate(context, c_shift, c_scale, eps))
+    x = x + gate[:, None] * attn
+    x = x + gate_mlp[:, None] * block.ff(modulate(x, shift_mlp, scale_mlp, eps))
+    context = context + c_gate[:, None] * context_attn
+    context = context + c_gate_mlp[:, None] * block.ff_context(modulate(context, c_shift_mlp, c_scale_mlp, eps))
+    # diffusers clips fp16 to its range here; bf16 and f32 reach 3e38, so nothing is clipped.
+    return x, context
 
 
 class FluxSingleTransformerBlock(nnx.Module):

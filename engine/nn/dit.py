@@ -37,9 +37,9 @@ def plain_layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
     return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float = NORM_EPS) -> jax.Array:
     """adaLN: `norm(x) * (1 + scale) + shift`; x [batch, tokens, dim], shift and scale [batch, dim] per image."""
-    return plain_layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
+    return plain_layer_norm(x, eps) * (1 + scale[:, None]) + shift[:, None]
 
 
 class RMSNorm(nnx.Module):
@@ -59,11 +59,12 @@ class RMSNorm(nnx.Module):
 class AdaLayerNorm(nnx.Module):
     """The modulation of `AdaLayerNormZero` (6 chunks), `...ZeroSingle` (3), `SD35AdaLayerNormZeroX` (9) and
     `AdaLayerNormContinuous` (2): `linear(silu(temb))` split into per-image vectors, in diffusers' order for each
-    (shift, scale, gate, ... for the Zero kinds; scale, shift for Continuous)."""
+    (shift, scale, gate, ... for the Zero kinds; scale, shift for Continuous). FLUX.2's `Flux2Modulation` is the
+    same map without a bias, shared by all blocks of a stream (6 chunks for the double ones, 3 for the single)."""
 
-    def __init__(self, dim: int, chunks: int, rngs: nnx.Rngs):
+    def __init__(self, dim: int, chunks: int, rngs: nnx.Rngs, bias: bool = True):
         self.chunks = chunks
-        self.linear = linear(dim, chunks * dim, rngs)
+        self.linear = linear(dim, chunks * dim, rngs, bias=bias)
 
     def __call__(self, temb: jax.Array) -> list[jax.Array]:  # [batch, dim] -> chunks x [batch, dim]
         return jnp.split(self.linear(jax.nn.silu(temb)), self.chunks, axis=-1)

@@ -454,9 +454,9 @@ class TimestepEmbedding(nnx.Module):
     """`linear_2(silu(linear_1(x)))`; with `cond_dim`, a condition (`timestep_cond`) projected without bias is
     added to x first, as diffusers' `TimestepEmbedding(cond_proj_dim=)` does."""
 
-    def __init__(self, in_ch: int, dim: int, rngs: nnx.Rngs, cond_dim: int | None = None):
-        self.linear_1 = linear(in_ch, dim, rngs)
-        self.linear_2 = linear(dim, dim, rngs)
+    def __init__(self, in_ch: int, dim: int, rngs: nnx.Rngs, cond_dim: int | None = None, bias: bool = True):
+        self.linear_1 = linear(in_ch, dim, rngs, bias=bias)  # `sample_proj_bias` (False for FLUX.2)
+        self.linear_2 = linear(dim, dim, rngs, bias=bias)
         self.cond_proj = linear(cond_dim, in_ch, rngs, bias=False) if cond_dim else None
 
     def __call__(self, x: jax.Array, condition: jax.Array | None = None) -> jax.Array:
