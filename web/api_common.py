@@ -15,6 +15,7 @@ import base64
 import binascii
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,11 +134,14 @@ class ApiJob:
         elif isinstance(event, engine.Failed):
             self.error = event.error
 
-    async def wait(self, http: Request | None) -> None:
+    async def wait(self, http: Request | None, heard: Callable[[engine.Event], None] | None = None) -> None:
+        """Follows the ticket to its end; `heard` is told each event (ComfyUI's socket)."""
         watcher = asyncio.create_task(_stop_when_gone(http, self.ticket)) if http is not None else None
         try:
             async for event in self.ticket.aevents():
                 self.note(event)
+                if heard is not None:
+                    heard(event)
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -161,14 +165,23 @@ class ApiJobs:
     async def run(self, pipe: engine.EngineFace, request: engine.GenerationRequest, http: Request) -> ApiJob:
         """Submits and awaits a request; raises `engine.InvalidRequest` or `engine.Busy` (`CallerBusy` beyond the
         caller's share) at once. The job comes back with its `result`, or its `error`."""
-        caller = caller_of(http)
+        job = self.start(pipe, request, caller_of(http))
+        await self.follow(job, http)
+        return job
+
+    def start(self, pipe: engine.EngineFace, request: engine.GenerationRequest, caller: Caller) -> ApiJob:
+        """Submits a request as `caller`, to be followed with `follow` (ComfyUI's prompts outlive their HTTP call);
+        raises as `run` does."""
         job = ApiJob(caller, self.limits.submit(pipe, request, caller))
         self._running.append(job)
+        return job
+
+    async def follow(self, job: ApiJob, http: Request | None = None, heard=None) -> None:
+        """Awaits a started job to its end (stopped if `http`'s client hangs up); `heard`: told each event."""
         try:
-            await job.wait(http)
+            await job.wait(http, heard)
         finally:
             self._running.remove(job)
-        return job
 
     def of(self, caller: Caller) -> list[ApiJob]:
         return [job for job in self._running if job.caller.name == caller.name]

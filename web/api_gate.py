@@ -1,7 +1,8 @@
 """The REST APIs' gate: who may call them, how big a body may be, and how each API says no.
 
 `ApiGate` is an ASGI middleware in front of the app. For a path of one of the APIs (A1111's `/sdapi/`,
-OpenAI's `/v1/`, and Gradio's MCP server under `/gradio_api/mcp/`, which Gradio's login does not cover) it checks the caller's credentials before anything is read, refuses a body whose
+OpenAI's `/v1/`, ComfyUI's `/prompt`, `/history`, `/view`, ... and its `/ws` socket, each also under `/api/`, and Gradio's
+MCP server under `/gradio_api/mcp/`, which Gradio's login does not cover) it checks the caller's credentials before anything is read, refuses a body whose
 Content-Length is over the limit at once (413) and counts the bytes of one that does not say (chunked), so
 that an oversized body is never held in memory; other paths (the page) pass untouched.
 
@@ -44,15 +45,21 @@ A1111_PREFIX = "/sdapi/"
 OPENAI_PREFIX = "/v1/"
 FILES_PREFIX = "/v1/images/files/"
 MCP_PREFIX = "/gradio_api/mcp"  # Gradio's MCP server: /schema, /sse, /messages/ and the streamable HTTP route
+# ComfyUI's routes (comfy.py), each also under /api; /history/ID and /object_info/NODE below theirs.
+COMFY_PATHS = ("/prompt", "/history", "/view", "/object_info", "/system_stats", "/queue", "/interrupt", "/upload/image")
+COMFY_PATHS += ("/ws",)
 DEFAULT_MAX_BODY_MB = 20.0
 
 
 def door_of(path: str) -> str | None:
-    """Which API a path belongs to: "a1111", "openai", or None (the page)."""
+    """Which API a path belongs to: "a1111", "openai", "comfy", or None (the page)."""
     if path.startswith(A1111_PREFIX):
         return "a1111"
     if path.startswith(OPENAI_PREFIX):
         return "openai"
+    own = path.removeprefix("/api") if path.startswith("/api/") else path
+    if own in COMFY_PATHS or own.startswith(("/history/", "/object_info/")):
+        return "comfy"
     return None
 
 
@@ -90,8 +97,12 @@ OPENAI_TYPES = {401: "invalid_request_error", 429: "rate_limit_error", 500: "ser
 
 
 def error_response(path: str, status: int, message: str, *, code=None, param=None, headers=None) -> JSONResponse:
-    """OpenAI's `{"error": {message, type, param, code}}` on /v1/, else A1111's `{error, detail, body, errors}`."""
-    if door_of(path) == "openai":
+    """OpenAI's `{"error": {message, type, param, code}}` on /v1/, ComfyUI's `{"error": {type, message, details,
+    extra_info}, "node_errors"}` on its paths, else A1111's `{error, detail, body, errors}`."""
+    if door_of(path) == "comfy":
+        error = {"type": code or "invalid_prompt", "message": message, "details": "", "extra_info": {}}
+        content = {"error": error, "node_errors": {}}
+    elif door_of(path) == "openai":
         kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         content: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     else:
@@ -131,6 +142,8 @@ def install_error_handlers(app) -> None:
         if door_of(path) is None:
             return await request_validation_exception_handler(request, error)
         message, param = _validation_message(error)
+        if door_of(path) == "comfy":
+            return error_response(path, 400, message, code="invalid_prompt")
         if door_of(path) == "openai":
             return error_response(path, 400, message, code="invalid_value", param=param)
         return JSONResponse(
@@ -144,7 +157,7 @@ def install_error_handlers(app) -> None:
         )
 
     async def on_invalid_request(request: Request, error: engine.InvalidRequest):
-        if door_of(request.url.path) == "openai":
+        if door_of(request.url.path) in ("openai", "comfy"):
             return error_response(request.url.path, 400, str(error), code="invalid_value")
         return error_response(request.url.path, 422, str(error), code="InvalidRequest")
 
@@ -273,6 +286,8 @@ class ApiGate:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         door = _guarded(path)
+        if scope["type"] == "websocket" and door == "comfy":
+            return await self._socket(scope, receive, send)
         if scope["type"] != "http" or door is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -299,12 +314,15 @@ class ApiGate:
                 )
                 return await response(scope, receive, send)
             if caller is None:
-                message = (
-                    "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key"
-                    if door == "openai"
-                    else "Incorrect username or password: send HTTP Basic with an --auth user (or any name and an API key)"
+                message = {
+                    "openai": "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key",
+                    "comfy": "Incorrect credentials: send Authorization: Bearer KEY with a key of this server's --api-key, "
+                    "or HTTP Basic with an --auth user",
+                }.get(
+                    door,
+                    "Incorrect username or password: send HTTP Basic with an --auth user (or any name and an API key)",
                 )
-                challenge = {"WWW-Authenticate": 'Basic realm="jax-sd"' if door == "a1111" else "Bearer"}
+                challenge = {"WWW-Authenticate": 'Basic realm="jax-sd"' if door != "openai" else "Bearer"}
                 response = error_response(path, 401, message, code="invalid_api_key", headers=challenge)
                 return await response(scope, receive, send)
             scope.setdefault("state", {})["api_caller"] = caller
@@ -314,6 +332,22 @@ class ApiGate:
             response = error_response(path, 413, refusal.detail, code=refusal.code, headers=refusal.headers)
             return await response(scope, receive, send)
         return await self.app(scope, self._counted(receive), send)
+
+    async def _socket(self, scope, receive, send):
+        """ComfyUI's progress socket: the same credentials as its routes, else closed before it opens (403)."""
+        if self.access.closed:
+            address = address_of(scope)
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            given = headers.get("authorization", "")
+            caller = None if self.throttle.retry_after(address) is not None else self.access.identify(given)
+            if caller is None:
+                if given.strip():
+                    await asyncio.sleep(self.throttle.failed(address))
+                await receive()  # its connect
+                return await send({"type": "websocket.close", "code": 1008})
+            self.throttle.succeeded(address)
+            scope.setdefault("state", {})["api_caller"] = caller
+        return await self.app(scope, receive, send)
 
     def _counted(self, receive):
         seen = 0

@@ -21,6 +21,7 @@ from .a1111 import a1111_router
 from .api_common import ApiJobs
 from .api_gate import DEFAULT_MAX_BODY_MB, ApiAccess, ApiGate, install_error_handlers
 from .callers import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_WORK, CallerLimits, ForwardedFor
+from .comfy import comfy_router
 from .hosts import HostCheck
 from .openai_images import openai_router
 from .page import THEME, create_demo
@@ -100,6 +101,7 @@ def build_app(
     app.state.api_jobs = jobs
     app.include_router(a1111_router(engine, jobs, max_pixels=max_pixels))
     app.include_router(openai_router(engine, jobs, max_pixels=max_pixels))
+    app.include_router(comfy_router(engine, jobs, max_pixels=max_pixels))
     install_error_handlers(app)
     access = ApiAccess(users=tuple(auth or ()), keys=tuple(api_keys or ()))
     # Failed logins, at the page's form and the APIs' gate alike, counted together.

@@ -49,8 +49,8 @@ LEGACY_RENAMES: tuple[tuple[str, str], ...] = (
 # `encoder.embed_tokens` is its `shared` embedding. The alias alone stands for the kept name; beside it, it
 # must be equal (transformers 5 unties two that differ and reads the alias). A component's prefix may lead both.
 TIED = ((re.compile(r"^((?:.+\.)?)encoder\.embed_tokens\.weight$"), r"\1shared.weight"),)
-# Checkpoint entries that are buffers, not parameters.
-IGNORED = re.compile(r"(^|\.)position_ids$")
+# Checkpoint entries that are buffers, not parameters (a batch norm's count of training batches among them).
+IGNORED = re.compile(r"(^|\.)(position_ids|num_batches_tracked)$")
 # safetensors' dtype names -> numpy's (bf16 through ml_dtypes: numpy has none).
 SAFETENSORS_DTYPES = {
     "F64": np.float64,
