@@ -1,0 +1,49 @@
+"""How a pipeline turns a prompt into Qwen3 text tokens: its chat template options, length and hidden layers.
+
+Z-Image (`ZImagePipeline._encode_prompt`) renders the prompt as one user message with the generation prompt and
+`enable_thinking=True`, pads it to 512 tokens, and takes `hidden_states[-2]` (the second-to-last layer's output,
+not normed), keeping only the real tokens (`prompt_embeds[i][mask[i]]`). FLUX.2 [klein]
+(`Flux2KleinPipeline._get_qwen3_prompt_embeds`) renders it with `enable_thinking=False` (an empty think block),
+pads it to 512 tokens, and reads layers 9, 18 and 27 side by side, padding included. Either way the text encoder
+sees the attention mask, and needs no layer after the last it reads (`QwenPrompt.layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from ..loading.qwen_tokenizer import QwenTokenizer
+from ..models.qwen3 import Qwen3Config, layers_needed, prompt_embeds
+
+
+@dataclass(frozen=True)
+class QwenPrompt:
+    """A pipeline's Qwen3 prompt encoding."""
+
+    enable_thinking: bool  # the chat template's option: False closes an empty <think> block after the prompt
+    hidden_layers: tuple[int, ...]  # transformers' `hidden_states` indices, side by side in this order
+    max_sequence_length: int = 512  # the pipelines' default; tokens past it are cut, the rest padded to it
+
+    def tokenize(
+        self, tokenizer: QwenTokenizer, prompts: list[str], max_length: int | None = None, what: str = "prompt"
+    ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """ids int32 and mask bool [len(prompts), max_length], and the warnings (what truncation dropped)."""
+        length = max_length or self.max_sequence_length
+        rows = [tokenizer.chat(p, length, what, enable_thinking=self.enable_thinking) for p in prompts]
+        warnings = [w for _, _, found in rows for w in found]
+        return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows]), warnings
+
+    def layers(self, config: Qwen3Config) -> int:
+        """How many of the encoder's layers this reading needs: build `Qwen3Model(config, rngs, num_layers=...)`."""
+        return layers_needed(config, self.hidden_layers)
+
+    def embeds(self, config: Qwen3Config, hidden_states: tuple[jax.Array, ...]) -> jax.Array:
+        """[batch, tokens, len(hidden_layers) * hidden_size] from the encoder's hidden states."""
+        return prompt_embeds(config, hidden_states, self.hidden_layers)
+
+
+Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,))
+FLUX2_KLEIN = QwenPrompt(enable_thinking=False, hidden_layers=(9, 18, 27))

@@ -1,0 +1,261 @@
+"""Qwen3 as Z-Image's and FLUX.2 [klein]'s text encoder equals transformers': every hidden state of a folder saved by
+transformers (`Qwen3Model` or `Qwen3ForCausalLM`), loaded as a model folder is, in f32 with padding in the batch;
+one layer at Qwen3-4B's widths; the chat template and ids of `apply_chat_template`; each pipeline's prompt
+embeddings as diffusers computes them; and int8 kernels and bf16 near f32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, ZImagePipeline
+from flax import nnx
+from qwen_reference import (
+    QWEN3_4B,
+    QWEN3_4B_LAYER,
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_LAYOUTS,
+    save_tiny_qwen3,
+    save_tiny_qwen_tokenizer,
+    tiny_qwen3,
+)
+from reference import rel_error, state_dict_numpy
+from safetensors.numpy import load_file, save_file
+from transformers import AutoTokenizer
+
+from engine.errors import ConfigError, WeightsError
+from engine.families.base import Models
+from engine.families.qwen_prompt import FLUX2_KLEIN, Z_IMAGE
+from engine.loading.quantize import Int8Kernel, dequantize, param_bytes, quantize_params
+from engine.loading.qwen_tokenizer import QwenTokenizer
+from engine.loading.weights import load_model, read_safetensors
+from engine.models.qwen3 import Qwen3Config, Qwen3Model, encoder_tensors, layers_needed
+from engine.nn.layers import shapes_only
+
+TOL = 1e-5
+PROMPTS = (
+    "a photo of a cat sitting on a red mat under the big old tree",
+    "Dogs!",  # short: the batch's other row is mostly padding
+    "a zebra — 3 birds, über the café;\n\tnew line",  # unknown words, non-ASCII, a newline and a tab: bytes
+    "",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> tuple[Path, int]:
+    folder = tmp_path_factory.mktemp("qwen_tokenizer")
+    return folder, save_tiny_qwen_tokenizer(folder)
+
+
+def load_ours(folder: Path, dtype=np.float32, num_layers: int | None = None) -> Qwen3Model:
+    cfg = Qwen3Config.from_json(folder / "config.json")
+    n = num_layers or cfg.num_hidden_layers
+    tensors = encoder_tensors(read_safetensors(sorted(folder.glob("*.safetensors"))), cfg, n)
+    return load_model(lambda: Qwen3Model(cfg, nnx.Rngs(0), num_layers=n), tensors, dtype, where=str(folder))
+
+
+def run(model: Qwen3Model, ids: np.ndarray, mask: np.ndarray) -> tuple[jax.Array, ...]:
+    """The model's hidden states, jitted as the engine runs it (its parameters as arguments, not constants)."""
+    graphdef, params = nnx.split(model)
+    return jax.jit(lambda p, i, m: nnx.merge(graphdef, p)(i, m))(params, ids, mask)
+
+
+def theirs_states(ref, ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = ref(torch.from_numpy(ids.astype(np.int64)), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                  output_hidden_states=True)  # fmt: skip
+    return [h.float().numpy() for h in out.hidden_states]
+
+
+def batch(tokenizer: QwenTokenizer, prompts, max_length: int, enable_thinking: bool = True):
+    rows = [tokenizer.chat(p, max_length, enable_thinking=enable_thinking) for p in prompts]
+    return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+
+
+@pytest.mark.parametrize("layout, causal_lm", [("zimage", False), ("zimage", True), ("plain", False)])
+def test_every_hidden_state_matches_transformers(layout, causal_lm, tokenizer_folder, tmp_path):
+    folder, vocab = tokenizer_folder
+    ref = save_tiny_qwen3(tmp_path, vocab, seed=1, causal_lm=causal_lm, **QWEN3_LAYOUTS[layout])
+    ours = load_ours(tmp_path)
+    ids, mask = batch(QwenTokenizer(folder), PROMPTS[:3], 40)  # [3, 40], right-padded to the longest and beyond
+    assert not mask.all() and mask.sum(1).min() < 20  # padding that every row but none of its real tokens sees
+    got, want = run(ours, ids, mask), theirs_states(ref, ids, mask)
+    layers = QWEN3_LAYOUTS[layout]["num_hidden_layers"]
+    assert len(got) == len(want) == layers + 1
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape and g.dtype == jnp.float32
+        assert rel_error(g, w) < TOL, f"hidden state {i}"  # the padding rows too: FLUX.2 [klein] reads them
+
+
+def test_a_prompt_alone_equals_its_row_in_a_padded_batch(tokenizer_folder, tmp_path):
+    """Padding changes no real token's states (the mask), and the causal mask hides later tokens."""
+    folder, vocab = tokenizer_folder
+    save_tiny_qwen3(tmp_path, vocab, seed=2)
+    ours, tokenizer = load_ours(tmp_path), QwenTokenizer(folder)
+    ids, mask = batch(tokenizer, PROMPTS[:2], 32)
+    n = int(mask[1].sum())
+    alone = run(ours, ids[1:, :n], mask[1:, :n])[-2]
+    assert rel_error(alone[0], run(ours, ids, mask)[-2][1, :n]) < TOL
+
+
+@pytest.fixture(scope="module")
+def qwen3_4b_layer():
+    """One layer at Qwen3-4B's widths (2560 wide, 32 heads and 8 key/value heads of 128, SwiGLU 9728), 48 tokens
+    of which the second row's last 20 are padding."""
+    ref = tiny_qwen3(vocab_size=64, seed=3, **QWEN3_4B_LAYER)
+    cfg = Qwen3Config.from_dict(ref.config.to_dict())
+    ours = load_model(lambda: Qwen3Model(cfg, nnx.Rngs(0)), state_dict_numpy(ref))
+    ids = np.random.default_rng(4).integers(0, 64, (2, 48)).astype(np.int32)
+    mask = np.ones((2, 48), bool)
+    mask[1, 28:] = False
+    return ref, cfg, ours, ids, mask, theirs_states(ref, ids, mask)
+
+
+def test_one_qwen3_4b_layer_matches_transformers(qwen3_4b_layer):
+    _, _, ours, ids, mask, want = qwen3_4b_layer
+    got = run(ours, ids, mask)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_error(g, w) < TOL, f"hidden state {i}"
+
+
+def test_int8_kernels_stay_near_f32(qwen3_4b_layer):
+    """`quantize_params` on the text encoder's component (`--quantize int8`), run as the programs run it (dequantize
+    inside jit): the layer's output within 2% of f32's largest value (measured 1.04%: one scale per output channel
+    over Gaussian weights rounds each to about 1% of their spread)."""
+    _, _, ours, ids, mask, want = qwen3_4b_layer
+    graphdef, params = nnx.split(Models(text_encoder=ours))
+    quantized = quantize_params(params, "text_encoder")
+    kernels = [x for x in jax.tree.leaves(quantized, is_leaf=lambda x: isinstance(x, Int8Kernel))]
+    assert sum(isinstance(k, Int8Kernel) for k in kernels) == 7  # q, k, v, o, gate, up, down
+    assert param_bytes(quantized) / param_bytes(params) < 0.26  # f32 -> int8: a quarter, plus scales and norms
+    run = jax.jit(lambda p, i, m: nnx.merge(graphdef, dequantize(p)).text_encoder(i, m)[-1])
+    got = run(quantized, ids, mask)
+    error = rel_error(got, want[-1])
+    assert 1e-4 < error < 2e-2, error
+
+
+def test_bfloat16_runs_near_f32(tokenizer_folder, tmp_path):
+    """bf16 weights and activations (norms, RoPE angles and softmax in f32): as near f32 as transformers' bf16."""
+    folder, vocab = tokenizer_folder
+    ref = save_tiny_qwen3(tmp_path, vocab, seed=5)
+    ids, mask = batch(QwenTokenizer(folder), PROMPTS[:2], 32)
+    got = run(load_ours(tmp_path, dtype="bfloat16"), ids, mask)
+    want = theirs_states(ref, ids, mask)
+    theirs_bf16 = theirs_states(ref.to(torch.bfloat16), ids, mask)
+    for g, w, t in zip(got, want, theirs_bf16, strict=True):
+        assert g.dtype == jnp.bfloat16 and bool(jnp.isfinite(g).all())
+        assert rel_error(g, w) < max(3 * rel_error(t, w), 2e-2)
+
+
+@pytest.mark.parametrize("template_file", [False, True])
+def test_the_chat_template_and_ids_equal_transformers(template_file, tmp_path):
+    vocab_folder = tmp_path / "tokenizer"
+    save_tiny_qwen_tokenizer(vocab_folder, template_file=template_file)
+    assert (vocab_folder / "chat_template.jinja").exists() == template_file
+    theirs, ours = AutoTokenizer.from_pretrained(str(vocab_folder)), QwenTokenizer(vocab_folder)
+    for prompt in PROMPTS:
+        for options in ({"enable_thinking": True}, {"enable_thinking": False}, {}):  # Z-Image, Klein, unset
+            messages = [{"role": "user", "content": prompt}]
+            want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+            assert ours.render(messages, add_generation_prompt=True, **options) == want
+            ids, mask, warnings = ours.chat(prompt, 64, **options)
+            encoded = theirs(want, padding="max_length", max_length=64, truncation=True)
+            assert ids.dtype == np.int32 and ids.shape == mask.shape == (1, 64) and warnings == []
+            assert ids[0].tolist() == encoded.input_ids and mask[0].tolist() == [
+                bool(m) for m in encoded.attention_mask
+            ]
+    # A conversation with a system message and an earlier answer whose reasoning the template drops.
+    chat = [
+        {"role": "system", "content": "You draw."},
+        {"role": "user", "content": "a cat"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA cat."},
+        {"role": "user", "content": "a dog"},
+    ]
+    assert ours.render(chat) == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_long_prompt_is_cut_with_a_warning(tokenizer_folder):
+    folder, _ = tokenizer_folder
+    tokenizer = QwenTokenizer(folder)
+    ids, mask, warnings = tokenizer.chat(PROMPTS[0] * 4, 16, enable_thinking=False)
+    assert mask.all() and ids.shape == (1, 16)
+    assert len(warnings) == 1 and "truncated to 16 Qwen tokens" in warnings[0] and "</think>" in warnings[0]
+    assert tokenizer.chat("cat", 64)[2] == []
+
+
+@pytest.mark.parametrize("recipe", ["zimage", "klein"])
+def test_each_pipelines_prompt_embeds_equal_diffusers(recipe, tokenizer_folder, tmp_path):
+    """Z-Image's `_encode_prompt` (hidden_states[-2] of the real tokens) and FLUX.2 [klein]'s
+    `_get_qwen3_prompt_embeds` (layers 9, 18, 27 of a 28-layer encoder, padding included), from a model that builds
+    only the layers read."""
+    folder, vocab = tokenizer_folder
+    causal = recipe == "klein"
+    ref = save_tiny_qwen3(tmp_path, vocab, seed=6, causal_lm=causal, **QWEN3_LAYOUTS[recipe])
+    prompt = FLUX2_KLEIN if causal else Z_IMAGE
+    cfg = Qwen3Config.from_json(tmp_path / "config.json")
+    n = prompt.layers(cfg)
+    assert n == (27 if causal else 2)  # not the layers after: 28 and 3 in the folder
+    ours = load_ours(tmp_path, num_layers=n)
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    prompts = list(PROMPTS[:3])
+    ids, mask, warnings = prompt.tokenize(QwenTokenizer(folder), prompts, max_length=48)
+    assert len(warnings) == int(causal)  # Klein's third prompt loses its empty think block, as diffusers cuts it
+    got = np.asarray(prompt.embeds(cfg, run(ours, ids, mask)))
+    if causal:
+        want = Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, theirs, list(prompts), max_sequence_length=48)
+        assert got.shape == (3, 48, 3 * cfg.hidden_size)
+        assert rel_error(got, want.detach().numpy()) < TOL
+    else:
+        pipe = SimpleNamespace(tokenizer=theirs, text_encoder=ref, _execution_device=torch.device("cpu"))
+        want = ZImagePipeline._encode_prompt(pipe, list(prompts), max_sequence_length=48)
+        for row, (g, m, w) in enumerate(zip(got, mask, want, strict=True)):
+            assert rel_error(g[m], w.detach().numpy()) < TOL, f"prompt {row}"
+
+
+def test_layers_needed_counts_transformers_hidden_states():
+    cfg = Qwen3Config(num_hidden_layers=36)
+    assert layers_needed(cfg, (-2,)) == 35 and layers_needed(cfg, (9, 18, 27)) == 27
+    assert layers_needed(cfg, (-1,)) == layers_needed(cfg, (36,)) == 36  # the last entry: every layer, normed
+    with pytest.raises(ValueError, match="hidden state 37"):
+        layers_needed(cfg, (37,))
+
+
+def test_qwen3_4b_weighs_8_gb_in_bf16_and_4_4_in_int8():
+    """Qwen/Qwen3-4B's shapes (no weights drawn): 4.02 B parameters, its embedding (tied to lm_head) 0.39 B of them;
+    int8 kernels take the 36 layers' 3.63 B to one byte each, the embedding stays bf16."""
+    with shapes_only():
+        _, params = nnx.split(Models(text_encoder=Qwen3Model(Qwen3Config(**QWEN3_4B), nnx.Rngs(0))))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), params)
+    count = param_bytes(params) / 2
+    quantized = quantize_params(params, "text_encoder")
+    assert count / 1e9 == pytest.approx(4.022, abs=0.001)
+    assert (param_bytes(params) / 1e9, param_bytes(quantized) / 1e9) == pytest.approx((8.04, 4.41), abs=0.01)
+
+
+def test_stray_tensors_and_unsupported_configs_are_refused(tokenizer_folder, tmp_path):
+    _, vocab = tokenizer_folder
+    save_tiny_qwen3(tmp_path, vocab, causal_lm=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"unexpected \(1\): layers\.0\.self_attn\.rotary\.weight"):
+        load_ours(tmp_path)
+    raw = {"model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2}
+    for extra, message in (
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only the default RoPE"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "only the default RoPE"),
+        ({"use_sliding_window": True}, "sliding-window"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"model_type": "qwen2"}, "is not Qwen3"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            Qwen3Config.from_dict({**raw, **extra})
+    assert (
+        Qwen3Config.from_dict({**raw, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}).rope_theta == 5e5
+    )
+    assert "enable_thinking is defined and enable_thinking is false" in QWEN3_CHAT_TEMPLATE
