@@ -125,9 +125,19 @@ async def open_webui_draws(url: str, workflow: dict, client_id: str, key: str = 
             return heard, await answer.read()
 
 
+def open_webui_models(url: str) -> list[str]:
+    """Open WebUI's model list for ComfyUI (backend/open_webui/routers/images.py): the first `..._name` input of the
+    model node's class in /object_info."""
+    info = requests.get(f"{url}/object_info", timeout=10).json()
+    required = info[json.loads(OPEN_WEBUI_WORKFLOW)["4"]["class_type"]]["input"]["required"]
+    return required[next(key for key in required if "_name" in key)][0]
+
+
 def test_open_webuis_default_workflow_draws_a1111s_picture_and_tells_its_progress_on_the_socket(served):
     pipe, url = served
-    workflow = open_webui_fill("fake/model", "a red circle", 64, 64, 3, 5)
+    models = open_webui_models(url)
+    assert models == ["fake/model"]
+    workflow = open_webui_fill(models[0], "a red circle", 64, 64, 3, 5)
     heard, picture = asyncio.run(open_webui_draws(url, workflow, "owui-1"))
     comfy_request = pipe.calls[-1]
     a1111 = a1111_picture(url, prompt="a red circle", seed=5, steps=3, cfg_scale=8, width=64, height=64,
@@ -254,6 +264,46 @@ def test_an_upload_is_drawn_from_at_denoise_strength(served):
     request = pipe.calls[-1]
     assert request.strength == 0.5 and request.image.getpixel((0, 0)) == (10, 200, 30)
     assert (request.width, request.height) == (88, 64)  # the picture's own size
+
+
+def flux_graph(sampler: dict) -> dict:
+    """FLUX's loaders (UNETLoader, DualCLIPLoader, VAELoader) and a LoraLoader before the sampler."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "fake/model", "weight_dtype": "default"}},
+        "2": {"class_type": "DualCLIPLoader", "inputs": {"clip_name1": "t5xxl_fp16.safetensors", "type": "flux",
+              "clip_name2": "clip_l.safetensors"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}},
+        "4": {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["2", 0], "lora_name": "style.safetensors",
+              "strength_model": 0.6, "strength_clip": 0.6}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"text": "a fox", "clip": ["4", 1]}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
+        "7": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 88, "height": 64, "batch_size": 2}},
+        "8": sampler,
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["3", 0]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "flux/run"}},
+    }  # fmt: skip
+
+
+LINKS = {"model": ["4", 0], "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0]}
+ADVANCED = {"add_noise": "enable", "noise_seed": 7, "steps": 3, "cfg": 1.0, "sampler_name": "euler"}
+ADVANCED |= {"scheduler": "simple", "start_at_step": 0, "end_at_step": 10000, "return_with_leftover_noise": "disable"}
+
+
+def test_fluxs_loaders_a_lora_and_a_whole_ksampler_advanced_make_one_request(served):
+    pipe, url = served
+    graph = flux_graph({"class_type": "KSamplerAdvanced", "inputs": {**ADVANCED, **LINKS}})
+    answer = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    r = pipe.calls[-1]
+    assert (r.prompt, r.seed, r.num_inference_steps, r.guidance_scale, r.scheduler) == ("a fox", 7, 3, 1.0, "euler")
+    assert (r.width, r.height, r.num_images, r.lora_scales) == (88, 64, 2, {"style": 0.6})
+    graph["8"]["inputs"]["start_at_step"] = 2  # a second half of a drawing: not one drawing
+    refused = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10)
+    assert refused.status_code == 400 and "KSamplerAdvanced is taken as a whole drawing only" in refused.text
+    graph["4"]["inputs"]["strength_clip"] = 1.0
+    graph["8"]["inputs"]["start_at_step"] = 0
+    refused = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10)
+    assert refused.status_code == 400 and "4" in refused.json()["node_errors"] and "one weight" in refused.text
 
 
 def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes():

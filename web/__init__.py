@@ -6,8 +6,9 @@ door; it raises `engine.InvalidRequest`, which each door turns into its own refu
 web layer reads (`engine.EngineFace`, which `engine.Engine` and `cluster.RemoteEngine` both have), and
 the app itself (server.py: `build_app` mounts the page at "/" on a FastAPI app, REST routers go before it;
 `serve` runs it with uvicorn), and the REST APIs beside the page: AUTOMATIC1111's (a1111.py, its wire models
-in a1111_models.py) and OpenAI's Images API (openai_images.py), their foreign names mapped to ours in one place
-(names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
+in a1111_models.py), OpenAI's Images API (openai_images.py) and ComfyUI's (comfy.py: its API-format graphs read as
+one request in comfy_graph.py, over the nodes described in comfy_nodes.py), their foreign names mapped to ours in
+one place (names.py), their shared pictures and running requests (api_common.py) and their gate (api_gate.py: access,
 body limits, error shapes; throttle.py: failed logins per address, the page's and the APIs'; hosts.py: the Host
 names it answers to; callers.py: who a caller is, X-Forwarded-For from trusted proxies, each caller's share). Code here imports the engine only through its public face, `import engine` /
 `from engine import ...`, with one exception: `engine.compat.pnginfo`, for the PNG parameters the pictures

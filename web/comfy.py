@@ -88,7 +88,7 @@ class Pictures:
 
 @dataclass(eq=False)
 class Prompt:
-    """One prompt: its graph as sent, its plan, its job in the engine, and what the history shows of it."""
+    """One prompt: its graph (the nodes that run), its plan, its job in the engine, and what the history shows."""
 
     id: str
     number: int
@@ -220,7 +220,7 @@ class ComfyDoor:
             job = self.jobs.start(self.pipe, request, caller)
         except engine.InvalidRequest as refused:
             raise comfy_graph.refused(graph, plan, str(refused)) from None
-        prompt = Prompt(str(uuid.uuid4()), next(self.numbers), caller, client_id, graph, plan, job)
+        prompt = Prompt(str(uuid.uuid4()), next(self.numbers), caller, client_id, plan.graph, plan, job)
         self.running.append(prompt)
         task = asyncio.create_task(self._follow(prompt))
         self._tasks.add(task)

@@ -31,6 +31,7 @@ from .comfy_nodes import (
     LATENTS,
     LINK_KINDS,
     MAX_NODES,
+    MAX_TEXT,
     MODEL_NAMES,
     NAME_SUFFIXES,
     NODES,
@@ -51,6 +52,7 @@ class Plan:
     outputs: list[tuple[str, str, str]]
     order: list[str]
     roles: dict[str, str] = field(default_factory=dict)  # "sampler", "latent", "positive", "negative", "lora", ...
+    graph: dict[str, dict] = field(default_factory=dict)  # the nodes that run, with their known inputs (the history's)
 
     def node_of(self, message: str) -> str | None:
         """The node an engine's refusal is about, by the words it names first."""
@@ -227,6 +229,8 @@ def _check_value(offer: Offer, name: str, spec: Input, value: Any) -> tuple[Any,
     if spec.kind == "STRING":
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             return None, _error("invalid_input_type", f"{name} must be text", input_name=name)
+        if len(str(value)) > MAX_TEXT:
+            return None, _error("value_bigger_than_max", "Value bigger than max", f"{name}: over {MAX_TEXT} characters")
         return str(value), None
     if not isinstance(value, str):
         return None, _error("invalid_input_type", f"{name} must be the name of a choice", input_name=name)
@@ -348,6 +352,10 @@ def _drawing(offer: Offer, nodes, values, outputs: list[str], needed) -> Plan:
         errors = {refused.nid: _entry(nodes, refused.nid, [problem], needed)}
         raise GraphError("prompt_outputs_failed_validation", "Prompt outputs failed validation", errors) from None
     plan.order = _order(nodes, set(needed))
+    for nid in plan.order:
+        spec = NODES[_class(nodes, nid)].inputs
+        known = {name: value for name, value in nodes[nid]["inputs"].items() if name in spec}
+        plan.graph[nid] = {"class_type": _class(nodes, nid), "inputs": known}
     return plan
 
 

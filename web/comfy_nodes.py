@@ -20,6 +20,7 @@ MAX_SEED = 2**64 - 1  # ComfyUI's; ours are uint32, so a seed is taken modulo 2*
 MAX_SIDE = 16384
 SEED_LIMIT = 2**32
 MAX_NODES = 500  # the graphs clients ship have about ten
+MAX_TEXT = 100_000  # characters of a text input (the engine's own prompt limit is far below)
 
 
 @dataclass(frozen=True)
