@@ -306,16 +306,18 @@ def test_fluxs_loaders_a_lora_and_a_whole_ksampler_advanced_make_one_request(ser
     assert refused.status_code == 400 and "4" in refused.json()["node_errors"] and "one weight" in refused.text
 
 
-def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes():
+def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes_within_the_callers_share():
     pipe = FakeEngine(hold=True)
     pipe.dtype, pipe.compute_path = "bfloat16", "bfloat16, oneDNN (avx512_bf16)"
-    with TestClient(fake_app(pipe)) as client:
+    with TestClient(fake_app(pipe, max_caller_requests=1)) as client:
         stats = client.get("/api/system_stats").json()
         assert stats["system"]["jax_sd_dtype"] == "bfloat16" and stats["system"]["argv"] == []
         assert stats["system"]["jax_sd_compute_path"].startswith("bfloat16") and stats["devices"][0]["name"] == "cpu:0"
         prompt_id = client.post("/api/prompt", json={"prompt": drawing()}).json()["prompt_id"]
         running = client.get("/queue").json()["queue_running"]
         assert [entry[1] for entry in running] == [prompt_id]
+        over = client.post("/prompt", json={"prompt": drawing()})  # the caller's share, as at every door
+        assert over.status_code == 429 and "busy with your requests" in over.json()["error"]["message"]
         assert client.post("/interrupt").json() == {} and pipe.tickets[-1].cancel_requested
         deadline = time.monotonic() + 10
         while prompt_id not in (history := client.get(f"/history/{prompt_id}").json()):
@@ -324,6 +326,7 @@ def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes():
         status = history[prompt_id]["status"]
         assert status["status_str"] == "error" and status["messages"][-1][0] == "execution_interrupted"
         assert client.get("/queue").json() == {"queue_running": [], "queue_pending": []}
+        assert client.post("/prompt", json={"prompt": drawing()}).status_code == 200  # its share is free again
 
 
 def test_an_anonymous_caller_is_refused_where_api_keys_are_set():
