@@ -31,6 +31,7 @@ from transformers import AutoTokenizer
 from engine.errors import ConfigError, WeightsError
 from engine.families.base import Models
 from engine.families.qwen_prompt import FLUX2_KLEIN, Z_IMAGE
+from engine.loading.host_encoder import host_qwen3
 from engine.loading.quantize import Int8Kernel, dequantize, param_bytes, quantize_params
 from engine.loading.qwen_tokenizer import QwenTokenizer
 from engine.loading.weights import load_model, read_safetensors
@@ -206,6 +207,10 @@ def test_each_pipelines_prompt_embeds_equal_diffusers(recipe, tokenizer_folder, 
     ids, mask, warnings = prompt.tokenize(QwenTokenizer(folder), prompts, max_length=48)
     assert len(warnings) == int(causal)  # Klein's third prompt loses its empty think block, as diffusers cuts it
     got = np.asarray(prompt.embeds(cfg, run(ours, ids, mask)))
+    # The same on the host (`host_qwen3`, as T5 runs with --t5 host): ids and mask in, the layers read side by side out.
+    tensors = read_safetensors(sorted(tmp_path.glob("*.safetensors")))
+    host = host_qwen3("text_encoder", cfg, tensors, "float32", "tiny", prompt.hidden_layers)
+    assert rel_error(host(ids, mask), got) < 1e-6
     if causal:
         want = Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, theirs, list(prompts), max_sequence_length=48)
         assert got.shape == (3, 48, 3 * cfg.hidden_size)

@@ -4,12 +4,14 @@ T5-XXL (SD3's `text_encoder_3`, FLUX.1's `text_encoder_2`) is 4.7B parameters, 9
 it takes more memory than the SD 3.5 medium transformer it conditions, and it runs once per prompt, not once per
 step. With `load_pipeline(t5="host")` (`--t5 host`) its weights stay out of the devices' param tree; this runs it
 on the CPU backend when a request is tokenized, and the embeddings travel with the request like its token ids.
+Qwen3-4B (Z-Image's and FLUX.2 [klein]'s text encoder, 8 GB in bf16) runs there the same way (`host_qwen3`): its
+ids and attention mask in, the hidden layers its pipeline reads out.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,18 +22,28 @@ from .weights import convert
 
 
 class HostEncoder:
-    """`module()` with `tensors` loaded (strictly), jitted on the CPU: ids [batch, tokens] -> hidden states numpy."""
+    """`module()` with `tensors` loaded (strictly), jitted on the CPU: ids [batch, tokens] (and whatever else `call`
+    reads) -> hidden states numpy. `call(model, *inputs)`: what a run returns; by default `model(ids)`."""
 
-    def __init__(self, module: Callable[[], nnx.Module], tensors: dict[str, np.ndarray], dtype: str, where: str):
+    def __init__(
+        self,
+        module: Callable[[], nnx.Module],
+        tensors: dict[str, np.ndarray],
+        dtype: str,
+        where: str,
+        call: Callable[..., jax.Array] | None = None,
+    ):
         graphdef, params = convert(module, tensors, dtype, where=where)
         self.cpu = jax.devices("cpu")[0]
         self.params = jax.device_put(params, self.cpu)
-        self._run = jax.jit(lambda p, ids: nnx.merge(graphdef, p)(ids))
+        call = call or (lambda model, ids: model(ids))
+        self._run = jax.jit(lambda p, *inputs: call(nnx.merge(graphdef, p), *inputs))
         self.lock = threading.Lock()  # one prompt at a time: the CPU is shared with whoever submits
 
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
+    def __call__(self, ids: np.ndarray, *inputs: np.ndarray) -> np.ndarray:
         with self.lock, jax.default_device(self.cpu):
-            return np.asarray(self._run(self.params, jax.device_put(np.asarray(ids), self.cpu)))
+            arrays = (jax.device_put(np.asarray(x), self.cpu) for x in (ids, *inputs))
+            return np.asarray(self._run(self.params, *arrays))
 
     @property
     def nbytes(self) -> int:
@@ -43,3 +55,21 @@ def host_t5(component: str, config: Any, tensors: dict[str, np.ndarray], dtype: 
     from ..models.t5 import T5EncoderModel
 
     return HostEncoder(lambda: T5EncoderModel(config, nnx.Rngs(0)), tensors, dtype, f"{where} {component}")
+
+
+def host_qwen3(
+    component: str, config: Any, tensors: dict[str, np.ndarray], dtype: str, where: str, hidden_layers: Sequence[int]
+) -> HostEncoder:
+    """The folder's Qwen3 (a `Qwen3Model` or `Qwen3ForCausalLM`'s tensors) as a `HostEncoder` of its first layers
+    up to the last of `hidden_layers` (transformers' `hidden_states` indices): (ids, mask) -> those states side by
+    side, [batch, tokens, len(hidden_layers) * hidden_size]."""
+    from ..models.qwen3 import Qwen3Model, encoder_tensors, layers_needed, prompt_embeds
+
+    layers, hidden_layers = layers_needed(config, hidden_layers), tuple(hidden_layers)
+    return HostEncoder(
+        lambda: Qwen3Model(config, nnx.Rngs(0), num_layers=layers),
+        encoder_tensors(tensors, config, layers, f"{where} {component}"),
+        dtype,
+        f"{where} {component}",
+        call=lambda model, ids, mask: prompt_embeds(config, model(ids, mask), hidden_layers),
+    )
