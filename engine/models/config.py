@@ -210,6 +210,11 @@ class VAEConfig(_FromJson):
         """Pixels per latent along a side: each encoder block but the last halves the sides (8 for SD's VAEs)."""
         return 2 ** (len(self.block_out_channels) - 1)
 
+    @property
+    def decoder_channels(self) -> tuple[int, ...]:
+        """The decoder's block widths: the encoder's here; FLUX.2's VAE may name its own."""
+        return self.block_out_channels
+
     def validate(self, where: str) -> None:
         for kind in self.down_block_types:
             _require(kind == "DownEncoderBlock2D", where, f"down block {kind!r} is not supported")

@@ -94,7 +94,7 @@ class Encoder(nnx.Module):
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: VAEConfig, rngs: nnx.Rngs):
-        ch, groups, n = tuple(reversed(cfg.block_out_channels)), cfg.norm_num_groups, len(cfg.block_out_channels)
+        ch, groups, n = tuple(reversed(cfg.decoder_channels)), cfg.norm_num_groups, len(cfg.decoder_channels)
         self.conv_in = conv(cfg.latent_channels, ch[0], 3, rngs)
         self.mid_block = MidBlock(ch[0], groups, cfg.mid_block_add_attention, rngs)
         self.up_blocks = nnx.List(
