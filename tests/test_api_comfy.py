@@ -13,6 +13,8 @@ import asyncio
 import io
 import json
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -20,7 +22,7 @@ import requests
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from tests._api_server import FakeEngine, ServedApp, decode_png, fake_app, max_pixel_difference, png
+from tests._api_server import FakeEngine, ServedApp, b64png, decode_png, fake_app, max_pixel_difference, png
 
 # Open WebUI's COMFYUI_DEFAULT_WORKFLOW (backend/open_webui/config.py), as it ships.
 OPEN_WEBUI_WORKFLOW = """
@@ -84,9 +86,25 @@ def sillytavern_body(settings: dict, prompt: str, negative: str, seed: int) -> s
     return f'{{"prompt": {workflow}}}'
 
 
+class Tiny4x:
+    """A stand-in folder of upscalers: one 4x network (nearest neighbour here, so its pixels are known)."""
+
+    entries = {"4x-Tiny": SimpleNamespace(architecture="RRDBNet", path=Path("4x-Tiny.safetensors"), scale=4)}
+
+    def names(self) -> list[str]:
+        return ["Lanczos", "Nearest", "4x-Tiny"]
+
+
+class UpscalingEngine(FakeEngine):
+    upscalers = Tiny4x()
+
+    def upscale(self, picture: Image.Image, width: int, height: int, upscaler: str) -> Image.Image:
+        return picture.resize((width, height), Image.Resampling.NEAREST)
+
+
 @pytest.fixture(scope="module")
 def served():
-    pipe = FakeEngine()
+    pipe = UpscalingEngine()
     pipe.dtype, pipe.compute_path = "float32", "float32, XLA (avx2)"
     with ServedApp(fake_app(pipe)) as url:
         yield pipe, url
@@ -200,8 +218,8 @@ def drawing(**change) -> dict:
 @pytest.mark.parametrize(
     ("graph", "node", "kind", "says"),
     [
-        (drawing(**{"10": {"class_type": "UpscaleModelLoader", "inputs": {"model_name": "x4"}}}), "10",
-         "invalid_prompt", "node 'UpscaleModelLoader' is not offered here"),
+        (drawing(**{"10": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": "canny"}}}), "10",
+         "invalid_prompt", "node 'ControlNetLoader' is not offered here"),
         (drawing(**{"8__samples": ["10", 0], "10": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0]}}}),
          "8", "dependency_cycle", "Dependency cycle detected"),
         (drawing(**{"3__positive": ["12", 0]}), "3", "prompt_outputs_failed_validation", "node '12' is not in the prompt"),
@@ -304,6 +322,29 @@ def test_fluxs_loaders_a_lora_and_a_whole_ksampler_advanced_make_one_request(ser
     graph["8"]["inputs"]["start_at_step"] = 0
     refused = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10)
     assert refused.status_code == 400 and "4" in refused.json()["node_errors"] and "one weight" in refused.text
+
+
+def test_a_picture_upscaled_with_a_model_equals_a1111s_extras_of_the_same_drawing(served):
+    pipe, url = served
+    listed = requests.get(f"{url}/object_info/UpscaleModelLoader", timeout=10).json()
+    assert listed["UpscaleModelLoader"]["input"]["required"]["model_name"][0] == ["4x-Tiny"]
+    graph = drawing(**{"10": {"class_type": "UpscaleModelLoader", "inputs": {"model_name": "4x-Tiny"}}})
+    graph["11"] = {"class_type": "ImageUpscaleWithModel", "inputs": {"upscale_model": ["10", 0], "image": ["8", 0]}}
+    graph["9"]["inputs"]["images"] = ["11", 0]
+    prompt_id = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10).json()["prompt_id"]
+    deadline = time.monotonic() + 30
+    while (item := requests.get(f"{url}/history/{prompt_id}", timeout=10).json().get(prompt_id)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    view = requests.get(f"{url}/view", params=item["outputs"]["9"]["images"][0], timeout=10)
+    upscaled = Image.open(io.BytesIO(view.content))
+    drawn = a1111_picture(url, prompt="a cat", seed=1, steps=3, cfg_scale=8, width=64, height=64, sampler_name="Euler")
+    body = {"image": b64png(drawn), "upscaler_1": "4x-Tiny", "upscaling_resize": 4}
+    extras = requests.post(f"{url}/sdapi/v1/extra-single-image", json=body, timeout=30).json()["image"]
+    assert upscaled.size == (256, 256) and max_pixel_difference(upscaled, decode_png(extras)) == 0
+    graph["10"]["inputs"]["model_name"] = "4x-UltraSharp.pth"
+    refused = requests.post(f"{url}/prompt", json={"prompt": graph}, timeout=10)
+    assert refused.status_code == 400 and "'4x-UltraSharp.pth' not in (4x-Tiny)" in refused.text
 
 
 def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes_within_the_callers_share():

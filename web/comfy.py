@@ -12,7 +12,8 @@ the many scripts written against ComfyUI's `/prompt`). Read ComfyUI's `server.py
   A1111's `/progress` and `/interrupt` answer about the caller's own requests.
 - `GET /view`: a picture this server drew or was sent (`POST /upload/image`), looked up by name among the caller's
   own, kept in memory (`Pictures`): a client's name is never a path, so nothing else can be read through it.
-- `GET /object_info[/{node}]`: the nodes offered, with the server's model, LoRAs, samplers, schedulers and uploads;
+- `GET /object_info[/{node}]`: the nodes offered, with the server's model, LoRAs, samplers, schedulers, upscaler
+  networks (ImageUpscaleWithModel runs a drawing's pictures through one, at its own scale) and the caller's uploads;
   `GET /system_stats`: the devices, and the networks' dtype and compute path.
 Every route is also under `/api`; the gate (api_gate.py) holds them to the same credentials and body limit.
 """
@@ -20,6 +21,7 @@ Every route is also under `/api`; the gate (api_gate.py) holds them to the same 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -104,7 +106,7 @@ class Prompt:
 
     def entry(self) -> list:
         """ComfyUI's queue entry: [number, id, graph, extra_data, output node ids]."""
-        return [self.number, self.id, self.graph, {"client_id": self.client_id}, [o for o, _, _ in self.plan.outputs]]
+        return [self.number, self.id, self.graph, {"client_id": self.client_id}, [o.node for o in self.plan.outputs]]
 
     def history(self) -> dict[str, Any]:
         return {
@@ -188,6 +190,7 @@ class ComfyDoor:
             "loras": tuple(getattr(self.pipe.limits, "loras", ())),
             "samplers": tuple(names.comfy_samplers(self.pipe)),
             "schedulers": tuple(names.comfy_schedulers(self.pipe)),
+            "upscalers": tuple(getattr(getattr(self.pipe, "upscalers", None), "entries", None) or ()),
             "uploads": self.pictures.names(caller, "input"),
         }
         return comfy_nodes.Offer(
@@ -288,19 +291,29 @@ class ComfyDoor:
         sampler = prompt.plan.roles["sampler"]
         for nid in prompt.plan.order[prompt.plan.order.index(sampler) + 1 :]:
             self._tell(prompt, "executing", {"node": nid, "display_node": nid, **ident})
-            saved = [out for out in prompt.plan.outputs if out[0] == nid]
-            if not saved:
+            out = next((out for out in prompt.plan.outputs if out.node == nid), None)
+            if out is None:
                 continue
-            _, folder, prefix = saved[0]
+            try:
+                files = pngs if out.upscaler is None else await asyncio.to_thread(self._upscaled, job.result, out)
+            except engine.InvalidRequest as refused:
+                self._fail(prompt, "InvalidRequest", str(refused))
+                return
             images = []
-            for png, _, _ in pngs:
-                name = f"{_safe(prefix, 'ComfyUI')}_{next(self.files):05}_{secrets.token_hex(4)}_.png"
-                self.pictures.add(prompt.caller, folder, name, png)
-                images.append({"filename": name, "subfolder": "", "type": folder})
+            for png, _, _ in files:
+                name = f"{_safe(out.prefix, 'ComfyUI')}_{next(self.files):05}_{secrets.token_hex(4)}_.png"
+                self.pictures.add(prompt.caller, out.folder, name, png)
+                images.append({"filename": name, "subfolder": "", "type": out.folder})
             prompt.outputs[nid] = {"images": images}
             self._tell(prompt, "executed", {"node": nid, "display_node": nid, "output": {"images": images}, **ident})
         prompt.status = "success"
         self._tell(prompt, "execution_success", {**ident, "timestamp": _stamp()}, keep=True)
+
+    def _upscaled(self, result: engine.GenerationResult, out: comfy_graph.Output) -> list[tuple[bytes, int, bool]]:
+        """The pictures through an upscaler network at its own scale (ImageUpscaleWithModel), as PNGs."""
+        scale = self.pipe.upscalers.entries[out.upscaler].scale
+        images = [self.pipe.upscale(im, im.width * scale, im.height * scale, out.upscaler) for im in result.images]
+        return result_pngs(dataclasses.replace(result, images=images), self.pipe.model_name)
 
     def _fail(self, prompt: Prompt, kind: str, message: str) -> None:
         sampler = prompt.plan.roles["sampler"]

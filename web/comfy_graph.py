@@ -9,7 +9,8 @@ link names a node that is not there, or the links go round in a cycle.
 A graph must be one drawing: one KSampler (or a KSamplerAdvanced that adds noise from step 0 to the end) whose model
 is the server's (CheckpointLoaderSimple or UNETLoader naming it, through LoraLoaders), whose positive and negative
 are CLIPTextEncode, whose latent is an EmptyLatentImage (text to image) or VAEEncode of a LoadImage (image to image
-at strength `denoise`), and each SaveImage or PreviewImage saves VAEDecode of its latent. The model's own text
+at strength `denoise`), and each SaveImage or PreviewImage saves VAEDecode of its latent, or that picture upscaled
+by ImageUpscaleWithModel with one of the server's upscaler networks (UpscaleModelLoader). The model's own text
 encoders and VAE draw whatever file a DualCLIPLoader or VAELoader names. The sampler's and the latent's inputs become
 the request fields that `request_fields` gives a `comfy` role; ComfyUI's 64-bit seeds are taken modulo 2**32.
 
@@ -43,13 +44,24 @@ from .comfy_nodes import (
 )
 
 
+@dataclass(frozen=True)
+class Output:
+    """A SaveImage or PreviewImage: its node, its folder ("output" or "temp"), its file name prefix, and the upscaler
+    network its pictures go through first (ImageUpscaleWithModel), if any."""
+
+    node: str
+    folder: str
+    prefix: str
+    upscaler: str | None = None
+
+
 @dataclass
 class Plan:
     """A graph read as one request: `fields` for `requests.api_request` (prompt among them), the output nodes
     (node id, "output" or "temp", file name prefix), the nodes in the order they run, and which node holds what."""
 
     fields: dict[str, Any]
-    outputs: list[tuple[str, str, str]]
+    outputs: list[Output]
     order: list[str]
     roles: dict[str, str] = field(default_factory=dict)  # "sampler", "latent", "positive", "negative", "lora", ...
     graph: dict[str, dict] = field(default_factory=dict)  # the nodes that run, with their known inputs (the history's)
@@ -372,11 +384,17 @@ def _read_drawing(offer: Offer, nodes, values, outputs: list[str]) -> Plan:
     roles = {"sampler": sampler}
     saved = []
     for nid in outputs:
-        source = values[nid]["images"][0]
+        source, upscaler = values[nid]["images"][0], None
+        if _class(nodes, source) == "ImageUpscaleWithModel":
+            upscaler = values[values[source]["upscale_model"][0]]["model_name"]
+            source = values[source]["image"][0]
         if _class(nodes, source) != "VAEDecode" or values[source]["samples"][0] != sampler:
-            raise _Refusal(nid, f"{_class(nodes, nid)} here saves VAEDecode of the KSampler's latent")
+            message = (
+                f"{_class(nodes, nid)} here saves VAEDecode of the KSampler's latent (or its ImageUpscaleWithModel)"
+            )
+            raise _Refusal(nid, message)
         kind = "output" if _class(nodes, nid) == "SaveImage" else "temp"
-        saved.append((nid, kind, values[nid].get("filename_prefix") or "ComfyUI"))
+        saved.append(Output(nid, kind, values[nid].get("filename_prefix") or "ComfyUI", upscaler))
     s = values[sampler]
     if _class(nodes, sampler) == "KSamplerAdvanced":
         whole = s["add_noise"] == "enable" and s["start_at_step"] == 0 and s["end_at_step"] >= s["steps"]
@@ -448,8 +466,8 @@ def _loras(nodes, values, sampler: str, roles: dict[str, str]) -> dict[str, floa
 
 def refused(prompt: dict, plan: Plan, message: str) -> GraphError:
     """The engine's refusal of a read graph (a size not offered, too many steps, ...), at the node it is about."""
-    nid = plan.node_of(message) or plan.outputs[0][0]
+    nid = plan.node_of(message) or plan.outputs[0].node
     problem = _error("value_not_valid", message)
     kind = {str(k): v for k, v in prompt.items()}[nid]["class_type"]
-    entry = {"errors": [problem], "dependent_outputs": [out for out, _, _ in plan.outputs], "class_type": kind}
+    entry = {"errors": [problem], "dependent_outputs": [out.node for out in plan.outputs], "class_type": kind}
     return GraphError("prompt_outputs_failed_validation", "Prompt outputs failed validation", {nid: entry})

@@ -1,7 +1,7 @@
 """The ComfyUI nodes this server runs, each described once (`NODES`): its inputs (a link's kind, or a value's kind,
 default and range, or its choices) and its outputs, for reading a graph (comfy_graph.py) and for ComfyUI's
 `/object_info` alike; and the `Offer` of what a graph may choose here (the server's model, LoRAs, samplers,
-schedulers, the caller's uploads).
+schedulers, upscaler networks, the caller's uploads).
 
 The loaders name the one model the server draws with: CheckpointLoaderSimple and UNETLoader must name it, while
 DualCLIPLoader and VAELoader may name any file (the model's own text encoders and VAE draw).
@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-LINK_KINDS = ("MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK")
+LINK_KINDS = ("MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK", "UPSCALE_MODEL")
 MAX_SEED = 2**64 - 1  # ComfyUI's; ours are uint32, so a seed is taken modulo 2**32
 MAX_SIDE = 16384
 SEED_LIMIT = 2**32
@@ -134,6 +134,15 @@ NODES: dict[str, Node] = {
     ),
     "VAEDecode": Node("VAE Decode", "latent", {"samples": Input("LATENT"), "vae": Input("VAE")}, ("IMAGE",)),
     "VAEEncode": Node("VAE Encode", "latent", {"pixels": Input("IMAGE"), "vae": Input("VAE")}, ("LATENT",)),
+    "UpscaleModelLoader": Node(
+        "Load Upscale Model", "loaders", {"model_name": _choice("upscalers")}, ("UPSCALE_MODEL",)
+    ),
+    "ImageUpscaleWithModel": Node(
+        "Upscale Image (using Model)",
+        "image/upscaling",
+        {"upscale_model": Input("UPSCALE_MODEL"), "image": Input("IMAGE")},
+        ("IMAGE",),
+    ),
     "LoadImage": Node("Load Image", "image", {"image": _choice("uploads")}, ("IMAGE", "MASK")),
     "SaveImage": Node(
         "Save Image",
@@ -156,7 +165,8 @@ class Offer:
     """What the server offers a graph: the choices `/object_info` lists, and how to check a model's name, pair a
     sampler with a schedule, and open an uploaded picture (each raises `engine.InvalidRequest`)."""
 
-    lists: dict[str, tuple[str, ...]]  # checkpoints, unets, text_encoders, vaes, loras, samplers, schedulers, uploads
+    lists: dict[str, tuple[str, ...]]  # checkpoints, unets, text_encoders, vaes, loras, samplers, schedulers,
+    # upscalers (the networks), uploads
     check_model: Callable[[str], None]
     scheduler: Callable[[str, str], str]  # (sampler_name, scheduler) -> our scheduler kind
     picture: Callable[[str], Image.Image]
