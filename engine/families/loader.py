@@ -34,6 +34,7 @@ from ..schedulers import SCHEDULERS, SchedulerConfig
 from . import FAMILIES, PIPELINE_FAMILIES, family_of, find
 from .base import Family, Models, Variant, no_extra_inputs
 from .single_file import is_single_file, open_single_file
+from .transformer_file import is_transformer_file, open_transformer_file
 
 
 @dataclass
@@ -150,14 +151,20 @@ def load_model_folder(
     CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
     it, as diffusers without it). Families without T5 ignore it.
 
-    A single-file checkpoint (`single_file.open_single_file`) takes its configs from `config` (a diffusers folder or
-    Hub id) or the Hub repo of its kind, its prediction type from `prediction_type` or a `.yaml` beside it;
+    A single-file checkpoint (`single_file.open_single_file`; FLUX.1's and SD3's transformer files and GGUFs,
+    `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or Hub id) or the
+    Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them), its
+    prediction type from `prediction_type` or a `.yaml` beside it;
     `safety_checker` has a Hub download of its configs include the repo's safety checker."""
     if t5 not in T5_PLACES:
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
     single = None
-    if is_single_file(source):
+    if is_transformer_file(source):  # FLUX.1 / SD3: a transformer (or all-in-one) file, GGUF included
+        if prediction_type is not None:
+            raise ConfigError(f"{source}: prediction_type= is for SD 2.x checkpoints; this is a flow-matching model")
+        single = open_transformer_file(source, dtype, config)
+    elif is_single_file(source):
         single = open_single_file(source, config, prediction_type, safety_checker)
     elif config is not None or prediction_type is not None:
         raise ConfigError(
@@ -180,8 +187,11 @@ def load_model_folder(
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
     if single is not None:
         sched_cfg = single.scheduler(sched_cfg)
-    if single is not None:  # renamed from the original layout to diffusers'
+    if single is not None:  # renamed from the original layout to diffusers'; what the file lacks, from the folder
         by_component = single.component_tensors(configs)
+        for name in configs:
+            if name not in by_component:
+                by_component[name] = read_safetensors(folder.weight_files(name, weights_variant))
     else:
         by_component = {name: read_safetensors(folder.weight_files(name, weights_variant)) for name in configs}
     tensors = {

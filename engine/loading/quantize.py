@@ -45,19 +45,20 @@ class Int8Kernel:
         return self.values.astype(self.scale.dtype) * self.scale  # [in, out] * [out]: per output channel
 
 
-def quantize_kernel(kernel: Any) -> Int8Kernel:
+def quantize_kernel(kernel: Any, dtype: Any = None) -> Int8Kernel:
     """w [in, out] (numpy or jax, any float dtype) -> Int8Kernel with every |values * scale - w| <= scale / 2.
 
     The scale is stored in the kernel's dtype; where rounding it to that dtype made it smaller than max|w| / 127,
     it is rounded up instead, so that no weight falls outside [-127, 127] scales. A column of zeros gets scale 0.
     A `jax.ShapeDtypeStruct` gives the shapes alone: what a model would take, measured without its weights.
+    `dtype`: the scale's dtype where it is not the kernel's (a file's f32 values quantized for a bf16 run).
     """
     if isinstance(kernel, jax.ShapeDtypeStruct):
         return Int8Kernel(
             jax.ShapeDtypeStruct(kernel.shape, np.int8), jax.ShapeDtypeStruct(kernel.shape[1:], kernel.dtype)
         )
     w = np.asarray(kernel)
-    dtype = w.dtype
+    dtype = w.dtype if dtype is None else np.dtype(dtype)
     w = w.astype(np.float32)
     scale = np.abs(w).max(axis=0) / 127.0  # [out]
     stored = scale.astype(dtype)

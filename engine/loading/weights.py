@@ -2,7 +2,8 @@
 
 Our module attribute paths equal the checkpoint keys, so a parameter's name is its path
 joined by dots with the Flax leaf name translated (`kernel`/`scale`/`embedding` -> `weight`).
-Layouts differ by rank only: conv kernels OIHW -> HWIO, linear kernels [out, in] -> [in, out].
+Layouts differ by rank only: conv kernels OIHW -> HWIO, linear kernels [out, in] -> [in, out]; a kernel that comes
+quantized already (an `Int8Kernel` in our layout, from a GGUF file's Q8_0) is kept as it is.
 The expected tree is built with shape-only initializers, never from a random init. Missing,
 unexpected and mis-shaped tensors are fatal and reported together.
 
@@ -29,6 +30,7 @@ from flax import nnx
 from ..cpus import usable_cpus
 from ..errors import WeightsError
 from ..nn.layers import shapes_only
+from .quantize import Int8Kernel
 
 LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -63,6 +65,9 @@ SAFETENSORS_DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    # fp8 checkpoints (FLUX.1's and SD 3.5's "fp8" files): widened to the run dtype as they are copied
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 ALIGNMENT = 64  # bytes: XLA's CPU backend takes a host array in place when it is aligned this far
 LOAD_THREADS = min(8, usable_cpus())  # the CPUs this process may use (its cgroup's quota, its affinity)
@@ -165,7 +170,7 @@ def convert(
     with shapes_only():
         graphdef, abstract = nnx.split(make_model())
     tensors = {k: v for k, v in rename_legacy(tensors).items() if not IGNORED.search(k)}
-    found, seen, missing, misshaped = [], set(), [], []
+    found, kept, seen, missing, misshaped = [], [], set(), [], []
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype in ("bfloat16", jax.numpy.bfloat16) else np.dtype(dtype)
     for path, var in nnx.to_flat_state(abstract):
         name = checkpoint_name(path)
@@ -174,6 +179,12 @@ def convert(
             continue
         seen.add(name)
         shape = tuple(var.get_value().shape)
+        if isinstance(tensors[name], Int8Kernel):  # quantized already (a GGUF's Q8_0), in our layout: kept as it is
+            if tuple(tensors[name].values.shape) != shape:
+                misshaped.append(f"{name}: int8 {tuple(tensors[name].values.shape)}, model expects {shape}")
+            else:
+                kept.append((path, var.replace(tensors[name])))
+            continue
         array = to_our_layout(str(path[-1]), np.asarray(tensors[name]), shape)  # a view: nothing copied yet
         if array.shape != shape:
             misshaped.append(f"{name}: checkpoint {tuple(tensors[name].shape)}, model expects {shape} (our layout)")
@@ -194,7 +205,7 @@ def convert(
         copies = dict(
             zip(largest_first, pool.map(lambda i: aligned_copy(found[i][2], dtype), largest_first), strict=True)
         )
-    flat = [(path, var.replace(copies[i])) for i, (path, var, _) in enumerate(found)]
+    flat = [(path, var.replace(copies[i])) for i, (path, var, _) in enumerate(found)] + kept
     return graphdef, nnx.from_flat_state(flat)
 
 

@@ -1,0 +1,266 @@
+"""FLUX.1 and SD 3/3.5 single files: a transformer alone (as Black Forest Labs and Stability publish it, or in
+diffusers' names), a GGUF transformer (city96's quantized files), or an all-in-one file that adds the VAE and text
+encoders under ComfyUI's prefixes. What the file is comes from its keys (and a GGUF's `general.architecture`); no
+option says it.
+
+Everything the file does not hold (configs, tokenizers, scheduler, and usually the text encoders and the VAE) comes
+from a diffusers folder or Hub id of the same family (`config=`, as diffusers' `from_single_file(..., config=)`),
+else from the Hub repo diffusers uses for that kind: FLUX.1-dev or -schnell (told by the guidance embedder), SD 3.5
+Large or Medium, SD 3 Medium, every file but the transformer's weights, downloaded or cached (offline and not
+cached: a message that names `config=`).
+
+Weights: bf16, f16 and f32 as they are; fp8 (`float8_e4m3fn`, `float8_e5m2`) widened to the run dtype at load;
+a GGUF's Q8_0 kernels kept as our int8 (`loading.quantize.Int8Kernel`, quantized again per output channel: see
+`loading.gguf_file`), its other quantized types dequantized to the run dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import ConfigError, SourceError, WeightsError
+from ..loading.dit_keys import Plan, apply_plan, flux_plan, sd3_plan, strip_prefix
+from ..loading.gguf_file import SUFFIX as GGUF_SUFFIX
+from ..loading.gguf_file import read_gguf
+from ..loading.ldm_keys import vae_to_diffusers
+from ..loading.quantize import THREADS, Int8Kernel, quantize_kernel
+from ..loading.sources import ModelFolder, hub_files_or_cache, resolve, select_hub_files
+from ..loading.weights import map_safetensors
+from ..schedulers import SchedulerConfig
+from . import family_of, flux, sd3
+from .base import Family
+
+VAE_PREFIX = "first_stage_model."
+TEXT_PREFIX = "text_encoders."  # ComfyUI's all-in-one files: text_encoders.{clip_l,clip_g,t5xxl}.transformer.
+
+
+@dataclass(frozen=True)
+class TransformerKind:
+    name: str  # GGUF's general.architecture for it
+    label: str
+    family: Family
+    marker: str  # a key of the original layout
+    diffusers_marker: str  # a key of diffusers' layout that the other kind lacks
+    plan: Callable[[Mapping[str, tuple[int, ...]]], Plan]
+    text_encoders: Mapping[str, str]  # an all-in-one file's text encoder (under TEXT_PREFIX) -> our component
+    repo: Callable[[set[str]], str]  # diffusers' default Hub repo for a file of these (original) keys
+
+
+def _flux_repo(names: set[str]) -> str:
+    dev = any(name.startswith("guidance_in.") for name in names)
+    return "black-forest-labs/FLUX.1-dev" if dev else "black-forest-labs/FLUX.1-schnell"
+
+
+def _sd3_repo(names: set[str]) -> str:
+    if "joint_blocks.37.x_block.mlp.fc1.weight" in names:
+        return "stabilityai/stable-diffusion-3.5-large"
+    if any(".attn2." in name for name in names):
+        return "stabilityai/stable-diffusion-3.5-medium"
+    return "stabilityai/stable-diffusion-3-medium-diffusers"
+
+
+KINDS = (
+    TransformerKind(
+        "flux",
+        "FLUX.1",
+        flux.FAMILY,
+        "double_blocks.0.img_attn.norm.key_norm.scale",
+        "single_transformer_blocks.0.attn.norm_k.weight",
+        flux_plan,
+        {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"},
+        _flux_repo,
+    ),
+    TransformerKind(
+        "sd3",
+        "Stable Diffusion 3",
+        sd3.FAMILY,
+        "joint_blocks.0.context_block.adaLN_modulation.1.bias",
+        "pos_embed.proj.weight",
+        sd3_plan,
+        {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": sd3.T5},
+        _sd3_repo,
+    ),
+)
+SERVED = ", ".join(f"{kind.label} ({kind.name})" for kind in KINDS)
+
+
+def _kind_of_keys(names: set[str]) -> tuple[TransformerKind, bool] | None:
+    """The kind of a transformer's (prefix-free) keys and whether they are the original layout, or None."""
+    for kind in KINDS:
+        if kind.marker in names:
+            return kind, True
+    for kind in KINDS:
+        if kind.diffusers_marker in names and not any(
+            name.startswith(("input_blocks.", "down_blocks.")) for name in names
+        ):
+            return kind, False
+    return None
+
+
+def is_transformer_file(source: Any) -> bool:
+    """A GGUF file, or a .safetensors whose keys are a FLUX.1 or SD3 transformer's (its header is all that is read)."""
+    if source is None:
+        return False
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    if path.suffix.lower() != ".safetensors":
+        return False
+    try:
+        names = set(strip_prefix(map_safetensors(path)))
+    except WeightsError:
+        return False  # the single-file reader says what is wrong with it
+    return _kind_of_keys(names) is not None
+
+
+def _hub_folder(repo_id: str, where: str) -> Path:
+    """A family's Hub repo without its transformer's weights: configs, tokenizers, scheduler, text encoders, VAE."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hint = (
+        f"{where}: its text encoders, VAE and configs come from {repo_id!r} on the Hugging Face Hub, which cannot be "
+        f"reached (or is gated: log in with `hf auth login`) and is not in the local cache. Name a diffusers folder "
+        f"of the same model for them: config=DIR (--config DIR)"
+    )
+    files = hub_files_or_cache(repo_id, hint)
+    if isinstance(files, Path):
+        return files
+    wanted = [f for f in select_hub_files(files, "fp16") if not re.match(r"^transformer/.*\.safetensors", f)]
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=wanted + ["transformer/config.json"]))
+    except (OSError, HfHubHTTPError) as err:
+        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+
+
+@dataclass
+class TransformerFile:
+    path: Path
+    kind: TransformerKind
+    transformer: dict[str, Any]  # diffusers' names; Int8Kernel (our layout) where the file held Q8_0
+    others: dict[str, dict[str, np.ndarray]]  # an all-in-one file's VAE (original layout) and text encoders
+    folder: ModelFolder  # everything else; its name is the file
+    types: dict[str, int] = field(default_factory=dict)  # a GGUF's tensor types, for people
+
+    def scheduler(self, config: SchedulerConfig) -> SchedulerConfig:
+        return config
+
+    def component_tensors(self, configs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The components the file holds, by diffusers' names; the loader reads the rest from `folder`."""
+        out: dict[str, dict[str, Any]] = {"transformer": self.transformer}
+        for name, tensors in self.others.items():
+            out[name] = vae_to_diffusers(tensors, configs["vae"]) if name == "vae" else tensors
+        return {name: tensors for name, tensors in out.items() if name in configs}
+
+
+def _read(path: Path, dtype: str) -> tuple[dict[str, np.ndarray], set[str], dict[str, int]]:
+    """The file's tensors, the names that were Q8_0 and a GGUF's tensor types; a GGUF of an architecture we do not
+    serve is refused by name."""
+    if path.suffix.lower() == GGUF_SUFFIX:
+        contents = read_gguf(path, dtype)
+        if contents.architecture not in {kind.name for kind in KINDS}:
+            raise SourceError(
+                f"{path}: a GGUF file of architecture {contents.architecture!r}, which this engine does not serve; "
+                f"it serves GGUF transformers of {SERVED}"
+            )
+        return contents.tensors, contents.int8, contents.types
+    try:
+        return map_safetensors(path), set(), {}
+    except WeightsError as err:
+        raise SourceError(str(err)) from err
+
+
+def _all_in_one(tensors: Mapping[str, np.ndarray], kind: TransformerKind) -> dict[str, dict[str, np.ndarray]]:
+    """An all-in-one file's VAE (`first_stage_model.`) and text encoders (`text_encoders.NAME.transformer.`)."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    vae = {k[len(VAE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(VAE_PREFIX)}
+    if vae:
+        out["vae"] = vae
+    for theirs, ours in kind.text_encoders.items():
+        prefix = f"{TEXT_PREFIX}{theirs}.transformer."
+        found = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if found:
+            out[ours] = found
+    return out
+
+
+def _int8(transformer: dict[str, Any], plan: Plan | None, quantized: set[str], dtype: str) -> dict[str, Any]:
+    """The 2-D weights that came from Q8_0 tensors as Int8Kernels in our layout ([in, out]), scales in the run
+    dtype; each is widened to f32 only while it is quantized again, a few at a time."""
+    chosen = [
+        name
+        for name, array in transformer.items()
+        if name.endswith(".weight") and len(array.shape) == 2 and (plan[name].source if plan else name) in quantized
+    ]
+    scale_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+    def requantize(name: str) -> Int8Kernel:
+        return quantize_kernel(np.asarray(transformer[name], np.float32).T, scale_dtype)
+
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-gguf") as pool:
+        done = dict(zip(chosen, pool.map(requantize, chosen), strict=True))
+    return {**transformer, **done}
+
+
+def open_transformer_file(source: str | Path, dtype: str, config: str | Path | None = None) -> TransformerFile:
+    """Reads a FLUX.1 or SD3 transformer file (mapped; a GGUF dequantized where it must be), tells its kind from its
+    keys and finds the folder that supplies the rest."""
+    path = Path(source).expanduser()
+    where = str(source)
+    raw, quantized, types = _read(path, dtype)
+    transformer = strip_prefix(raw)
+    found = _kind_of_keys(set(transformer))
+    if found is None:
+        heads = sorted({".".join(name.split(".")[:2]) for name in transformer})
+        listed = ", ".join(heads[:12]) + (" ..." if len(heads) > 12 else "") if heads else "no tensors"
+        raise SourceError(f"{where}: not a {SERVED} transformer in a layout this engine reads; found {listed}")
+    kind, original = found
+    others = _all_in_one(raw, kind) if len(transformer) < len(raw) else {}
+    if original:
+        try:
+            plan = kind.plan({k: tuple(v.shape) for k, v in transformer.items()})
+        except KeyError as err:  # a tensor the widths are read from
+            raise SourceError(f"{where}: not a whole {kind.label} transformer: it lacks {err.args[0]}") from err
+        try:
+            transformer = apply_plan(plan, transformer, where, f"a whole {kind.label} transformer")
+        except WeightsError as err:
+            raise SourceError(str(err)) from err
+    else:
+        plan = None
+    if quantized:
+        transformer = _int8(transformer, plan, quantized, dtype)
+    folder = _config_folder(kind, config, where, set(strip_prefix(raw)))
+    return TransformerFile(path, kind, transformer, others, dataclasses.replace(folder, name=where), types)
+
+
+def _config_folder(kind: TransformerKind, config: str | Path | None, where: str, names: set[str]) -> ModelFolder:
+    if config is not None and Path(config).expanduser().is_dir():
+        folder = resolve(config)
+    else:
+        repo = str(config) if config is not None else kind.repo(names)
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+            raise ConfigError(f"config {repo!r} is neither a diffusers folder nor a Hub id like 'owner/name'")
+        root = _hub_folder(repo, where)
+        index_path = root / "model_index.json"
+        if not index_path.is_file():
+            raise SourceError(f"{where}: {repo}'s cached copy has no model_index.json; name config=DIR instead")
+        index = json.loads(index_path.read_text())
+        folder = ModelFolder(root=root, name=repo, class_name=index.get("_class_name", ""), index=index)
+    if family_of(folder.class_name) is not kind.family:
+        raise SourceError(
+            f"{where} is a {kind.label} transformer, but its config {folder.name!r} is a "
+            f"{folder.class_name or 'folder'} of another kind: name a {kind.label} diffusers folder or Hub id as config="
+        )
+    return folder

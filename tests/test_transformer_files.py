@@ -1,0 +1,377 @@
+"""FLUX.1 and SD 3.5 transformer files: Black Forest Labs' and Stability's original layouts, diffusers' layout, fp8,
+and city96's GGUF, each loaded with a diffusers folder of the same model as `config=` for the rest.
+
+A tiny FLUX.1-dev written by diffusers has its transformer converted to BFL's layout by the inverse of the published
+table (diffusers' `convert_flux_transformer_checkpoint_to_diffusers`, written out below) and saved as one
+.safetensors: our param tree equals the folder's bit for bit and our pictures equal diffusers' FluxPipeline's within
+1/255. The same tensors in fp8 load as their fp8 values widened; written with the `gguf` package as Q8_0 they load
+as int8 kernels within half a step of Q8_0's values, drawing within a PSNR bound of diffusers' pictures; written as
+Q4_K (blocks made here: gguf writes no K-quant), Q4_0, Q5_0, BF16, F16 and F32 they load as exactly gguf's
+dequantized values. A tiny SD 3.5 (QK-norm, dual attention) in Stability's MMDiT layout loads the folder's params
+exactly. Truncated files, a GGUF of another architecture and files of unknown layout are refused by name.
+"""
+
+from __future__ import annotations
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from flax import nnx
+from gguf import GGMLQuantizationType as Q
+from reference import CLIP_LAYOUTS, randomize
+from safetensors.numpy import save_file
+from t5_reference import save_tiny_t5_tokenizer, tiny_t5_encoder
+from test_flux import PROMPT, SCHEDULERS, VAE, WORDS, run_reference
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5TokenizerFast
+
+from engine import load_pipeline
+from engine.errors import ConfigError, SourceError
+from engine.families.loader import load_model_folder
+from engine.loading.quantize import Int8Kernel
+from tools.tiny_tokenizer import write_tokenizer
+
+SIZE, STEPS, GUIDANCE = 32, 2, 3.5
+# 4 heads of 16: an inner width of 64 and an MLP of 256, so the MLP's output projections (and the timestep
+# embedder's input, 256 sinusoids) read 256 inputs: one K-quant super-block per row
+TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=1,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=40,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 4, 8),
+    guidance_embeds=True,
+)
+# PSNR (dB) of the Q8_0 file's pictures (int8 kernels) against diffusers' of the unquantized folder; measured 0.0
+Q8_PSNR_BOUND = 55.0
+
+
+def build_flux() -> FluxPipeline:
+    import tempfile
+
+    clip_dir, t5_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
+    vocab = write_tokenizer(clip_dir, WORDS)
+    clip = CLIPTextConfig(
+        **CLIP_LAYOUTS["sd1"],
+        **dict(vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2, eos_token_id=vocab - 1),
+        pad_token_id=vocab - 1,
+    )
+    t5 = dict(d_model=40, d_kv=8, num_heads=4, d_ff=64, num_layers=2, feed_forward_proj="gated-gelu")
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["dev"]),
+        vae=randomize(AutoencoderKL(**VAE, scaling_factor=0.3611, shift_factor=0.1159), 4, std=0.05),
+        text_encoder=randomize(CLIPTextModel(clip), 1),
+        tokenizer=CLIPTokenizer.from_pretrained(clip_dir),
+        text_encoder_2=tiny_t5_encoder(save_tiny_t5_tokenizer(t5_dir), 5, **t5),
+        tokenizer_2=T5TokenizerFast.from_pretrained(t5_dir),
+        transformer=randomize(FluxTransformer2DModel(**TRANSFORMER), 3, std=0.05),
+    )
+
+
+def swap_halves(w: np.ndarray) -> np.ndarray:
+    first, second = np.split(w, 2, axis=0)
+    return np.concatenate([second, first], axis=0)
+
+
+def flux_to_bfl(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """diffusers' FluxTransformer2DModel names -> BFL's: the inverse of diffusers' published table."""
+    out = {}
+    top = {
+        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+        "context_embedder": "txt_in",
+        "x_embedder": "img_in",
+        "proj_out": "final_layer.linear",
+    }
+    double = {
+        "norm1.linear": "img_mod.lin",
+        "norm1_context.linear": "txt_mod.lin",
+        "ff.net.0.proj": "img_mlp.0",
+        "ff.net.2": "img_mlp.2",
+        "ff_context.net.0.proj": "txt_mlp.0",
+        "ff_context.net.2": "txt_mlp.2",
+        "attn.to_out.0": "img_attn.proj",
+        "attn.to_add_out": "txt_attn.proj",
+    }
+    norms = {
+        "norm_q": "img_attn.norm.query_norm",
+        "norm_k": "img_attn.norm.key_norm",
+        "norm_added_q": "txt_attn.norm.query_norm",
+        "norm_added_k": "txt_attn.norm.key_norm",
+    }
+    for end in ("weight", "bias"):
+        for ours, theirs in top.items():
+            out[f"{theirs}.{end}"] = sd[f"{ours}.{end}"]
+        out[f"final_layer.adaLN_modulation.1.{end}"] = swap_halves(sd[f"norm_out.linear.{end}"])
+        for i in range(TRANSFORMER["num_layers"]):
+            d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
+            for ours, theirs in double.items():
+                out[f"{b}.{theirs}.{end}"] = sd[f"{d}.{ours}.{end}"]
+            out[f"{b}.img_attn.qkv.{end}"] = np.concatenate([sd[f"{d}.attn.to_{x}.{end}"] for x in "qkv"])
+            out[f"{b}.txt_attn.qkv.{end}"] = np.concatenate([sd[f"{d}.attn.add_{x}_proj.{end}"] for x in "qkv"])
+        for i in range(TRANSFORMER["num_single_layers"]):
+            d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+            out[f"{b}.modulation.lin.{end}"] = sd[f"{d}.norm.linear.{end}"]
+            out[f"{b}.linear2.{end}"] = sd[f"{d}.proj_out.{end}"]
+            parts = [sd[f"{d}.attn.to_{x}.{end}"] for x in "qkv"] + [sd[f"{d}.proj_mlp.{end}"]]
+            out[f"{b}.linear1.{end}"] = np.concatenate(parts)
+    for i in range(TRANSFORMER["num_layers"]):
+        for ours, theirs in norms.items():
+            out[f"double_blocks.{i}.{theirs}.scale"] = sd[f"transformer_blocks.{i}.attn.{ours}.weight"]
+    for i in range(TRANSFORMER["num_single_layers"]):
+        for x in "qk":
+            name = "query_norm" if x == "q" else "key_norm"
+            out[f"single_blocks.{i}.norm.{name}.scale"] = sd[f"single_transformer_blocks.{i}.attn.norm_{x}.weight"]
+    assert sum(v.size for v in out.values()) == sum(v.size for v in sd.values())  # every tensor, once
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """The diffusers pipeline, its folder, and its transformer as BFL's single file."""
+    reference = build_flux()
+    root = tmp_path_factory.mktemp("flux")
+    folder = root / "folder"
+    reference.save_pretrained(folder)
+    bfl = flux_to_bfl(numpy_state(reference.transformer))
+    file = root / "flux1-dev.safetensors"
+    save_file(bfl, str(file))
+    return reference, folder, bfl, file
+
+
+def flat(params) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(params)}
+
+
+def assert_same_params(got, want) -> None:
+    got, want = flat(got), flat(want)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+
+
+def test_a_bfl_file_loads_the_folders_weights_exactly(flux):
+    _, folder, _, file = flux
+    from_file = load_model_folder(file, "float32", config=folder)
+    assert (from_file.family, from_file.name, from_file.label) == ("flux", str(file), "FLUX.1")
+    assert_same_params(from_file.params, load_model_folder(folder, "float32").params)
+
+
+def test_a_bfl_file_draws_as_diffusers_folder(flux):
+    reference, folder, _, file = flux
+    start = np.random.default_rng(0).standard_normal((2, 16, SIZE // 2, SIZE // 2)).astype(np.float32)
+    args = dict(num_inference_steps=STEPS, guidance_scale=GUIDANCE)
+    want = run_reference(reference, start, SIZE, SIZE, **args)
+    engine = load_pipeline(file, config=folder, safety_checker=False, previews=False)
+    try:
+        got = engine.generate(PROMPT, height=SIZE, width=SIZE, num_images=2, latents=start, **args).arrays
+    finally:
+        engine.close()
+    assert want.std() > 0.02  # a picture, not a flat field
+    assert np.abs(got - want).max() < 1 / 255
+
+
+def test_a_diffusers_layout_transformer_file_loads_the_same(flux, tmp_path):
+    _, folder, _, _ = flux
+    file = tmp_path / "transformer.safetensors"
+    file.write_bytes((folder / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes())
+    got = load_model_folder(file, "float32", config=folder).params["transformer"]
+    assert_same_params(got, load_model_folder(folder, "float32").params["transformer"])
+
+
+def test_an_fp8_file_is_widened_at_load(flux, tmp_path):
+    """Every tensor stored as float8_e4m3fn: the transformer holds exactly those values in the run dtype."""
+    _, folder, bfl, _ = flux
+    fp8 = {k: v.astype(ml_dtypes.float8_e4m3fn) for k, v in bfl.items()}
+    file = tmp_path / "flux1-dev-fp8.safetensors"
+    torch_file = {k: torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn) for k, v in fp8.items()}
+    from safetensors.torch import save_file as save_torch
+
+    save_torch(torch_file, str(file))
+    widened = tmp_path / "widened.safetensors"
+    save_file({k: v.astype(np.float32) for k, v in fp8.items()}, str(widened))
+    got = load_model_folder(file, "float32", config=folder).params["transformer"]
+    assert_same_params(got, load_model_folder(widened, "float32", config=folder).params["transformer"])
+    original = flat(load_model_folder(folder, "float32").params["transformer"])
+    assert any(not np.array_equal(flat(got)[k], original[k]) for k in original)  # fp8 rounded them
+
+
+def write_gguf(path, tensors: dict[str, np.ndarray], types: dict[str, Q], architecture: str = "flux") -> dict:
+    """A GGUF as city96's converter writes one: general.architecture and the BFL names, each tensor of `types`
+    (raw Q4_K blocks where given as uint8). Returns each tensor's values as gguf dequantizes them (f32)."""
+    writer = gguf.GGUFWriter(str(path), arch=architecture)
+    values = {}
+    for name, array in tensors.items():
+        kind = types[name]
+        if kind in (Q.F32, Q.F16):
+            data = array.astype(np.float32 if kind == Q.F32 else np.float16)
+            writer.add_tensor(name, data)
+        else:
+            data = array if array.dtype == np.uint8 else gguf.quants.quantize(array.astype(np.float32), kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
+        values[name] = gguf.quants.dequantize(data, kind).astype(np.float32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def q8_types(bfl: dict[str, np.ndarray]) -> dict[str, Q]:
+    """city96's Q8_0 file: 2-D weights whose rows are whole blocks of 32 as Q8_0, the rest (biases, norms) F32."""
+    return {k: Q.Q8_0 if v.ndim == 2 and v.shape[1] % 32 == 0 else Q.F32 for k, v in bfl.items()}
+
+
+def test_a_q8_0_gguf_keeps_int8_kernels_within_half_a_step_of_its_values(flux, tmp_path):
+    _, folder, bfl, _ = flux
+    file = tmp_path / "flux1-dev-Q8_0.gguf"
+    values = write_gguf(file, bfl, q8_types(bfl))
+    dequantized = tmp_path / "q8-values.safetensors"  # the same values, unquantized: where each lands
+    save_file(values, str(dequantized))
+    got = load_model_folder(file, "float32", config=folder).params["transformer"]
+    want = flat(load_model_folder(dequantized, "float32", config=folder).params["transformer"])
+    int8 = {"/".join(map(str, p)) for p, v in nnx.to_flat_state(got) if isinstance(v.get_value(), Int8Kernel)}
+    # every linear kernel but the context embedder's (40 inputs: not whole blocks of 32, so F32 in the file)
+    linear = {name for name, v in want.items() if name.endswith("/kernel") and v.ndim == 2}
+    assert int8 == linear - {"context_embedder/kernel"}
+    for path, var in nnx.to_flat_state(got):
+        name, leaf = "/".join(map(str, path)), var.get_value()
+        if isinstance(leaf, Int8Kernel):
+            assert leaf.values.dtype == np.int8
+            error = np.abs(leaf.values.astype(np.float32) * leaf.scale - want[name])
+            assert (error <= leaf.scale / 2 * (1 + 1e-6)).all(), name
+        else:
+            assert np.array_equal(np.asarray(leaf), want[name]), name
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10(1.0 / np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
+
+
+def test_a_q8_0_gguf_draws_near_diffusers_folder(flux, tmp_path):
+    reference, folder, bfl, _ = flux
+    file = tmp_path / "flux1-dev-Q8_0.gguf"
+    write_gguf(file, bfl, q8_types(bfl))
+    start = np.random.default_rng(0).standard_normal((2, 16, SIZE // 2, SIZE // 2)).astype(np.float32)
+    args = dict(num_inference_steps=STEPS, guidance_scale=GUIDANCE)
+    want = run_reference(reference, start, SIZE, SIZE, **args)
+    engine = load_pipeline(file, config=folder, safety_checker=False, previews=False)
+    try:
+        got = engine.generate(PROMPT, height=SIZE, width=SIZE, num_images=2, latents=start, **args).arrays
+    finally:
+        engine.close()
+    measured = psnr(got, want)
+    print(f"Q8_0 GGUF: PSNR {measured:.1f} dB, max error {np.abs(got - want).max() * 255:.2f}/255")
+    assert measured > Q8_PSNR_BOUND
+    assert np.abs(got - want).max() > 0  # quantized: not the same arrays by accident
+
+
+def q4_k_blocks(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random Q4_K super-blocks (256 values in 144 bytes: f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of
+    4-bit values) with small d and dmin, as raw bytes [rows, columns / 256 * 144]."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
+    blocks[:, :, 2:4] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_k_quants_and_the_other_types_load_as_ggufs_own_dequantized_values(flux, tmp_path):
+    _, folder, bfl, _ = flux
+    tensors, types, cycle = dict(bfl), {}, [Q.Q4_0, Q.Q5_0, Q.BF16]
+    for n, (name, array) in enumerate(sorted(bfl.items())):
+        if array.ndim == 2 and array.shape[1] % 256 == 0:
+            tensors[name], types[name] = q4_k_blocks(array.shape[0], array.shape[1], n), Q.Q4_K
+        elif array.ndim == 2 and array.shape[1] % 32 == 0:
+            types[name] = cycle[n % 3]
+        else:
+            types[name] = Q.F16 if array.ndim == 1 else Q.F32
+    assert {Q.Q4_K, Q.Q4_0, Q.Q5_0, Q.BF16, Q.F16, Q.F32} <= set(types.values())
+    file = tmp_path / "flux1-dev-mixed.gguf"
+    values = write_gguf(file, tensors, types)
+    dequantized = tmp_path / "mixed-values.safetensors"
+    save_file(values, str(dequantized))
+    got = load_model_folder(file, "float32", config=folder).params["transformer"]
+    assert_same_params(got, load_model_folder(dequantized, "float32", config=folder).params["transformer"])
+
+
+# Refusals
+
+
+def test_a_gguf_of_an_architecture_not_served_is_refused_by_name(flux, tmp_path):
+    _, folder, bfl, _ = flux
+    file = tmp_path / "sdxl.gguf"
+    write_gguf(
+        file, {"input_blocks.0.0.weight": np.zeros((64, 32), np.float32)}, {"input_blocks.0.0.weight": Q.F32}, "sdxl"
+    )
+    with pytest.raises(SourceError, match=r"sdxl.gguf: a GGUF file of architecture 'sdxl'.*FLUX.1 \(flux\)"):
+        load_pipeline(file, config=folder, safety_checker=False)
+
+
+def test_truncated_files_are_refused_by_name(flux, tmp_path):
+    _, folder, bfl, file = flux
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(SourceError, match="cut.safetensors is not a safetensors file"):
+        load_pipeline(cut, config=folder, safety_checker=False)
+    whole = tmp_path / "whole.gguf"
+    write_gguf(whole, bfl, q8_types(bfl))
+    cut_gguf = tmp_path / "cut.gguf"
+    cut_gguf.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(SourceError, match="cut.gguf: not a readable GGUF file"):
+        load_pipeline(cut_gguf, config=folder, safety_checker=False)
+
+
+def test_files_of_unknown_or_partial_layout_are_refused_with_what_they_hold(flux, tmp_path):
+    _, folder, bfl, _ = flux
+    extra = tmp_path / "extra.safetensors"
+    save_file({**bfl, "double_blocks.0.img_attn.lora_down.weight": np.zeros((4, 64), np.float32)}, str(extra))
+    with pytest.raises(SourceError, match=r"not a whole FLUX.1 transformer.*unknown double_blocks.0.img_attn.lora"):
+        load_model_folder(extra, "float32", config=folder)
+    partial = tmp_path / "partial.safetensors"
+    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": np.zeros(4, np.float32)}, str(partial))
+    with pytest.raises(SourceError, match="not a whole FLUX.1 transformer: it lacks img_in.weight"):
+        load_model_folder(partial, "float32", config=folder)
+    unknown = tmp_path / "unknown.gguf"
+    write_gguf(unknown, {"blocks.0.w": np.zeros((4, 32), np.float32)}, {"blocks.0.w": Q.F32})
+    with pytest.raises(SourceError, match="not a FLUX.1 .flux., Stable Diffusion 3 .sd3. transformer.*blocks.0"):
+        load_model_folder(unknown, "float32", config=folder)
+    with pytest.raises(ConfigError, match="prediction_type= is for SD 2.x"):
+        load_model_folder(partial, "float32", config=folder, prediction_type="epsilon")
+
+
+def test_a_config_of_another_family_is_refused(flux, tmp_path):
+    _, folder, _, file = flux
+    with pytest.raises(SourceError, match="FLUX.1 transformer, but its config .* of another kind"):
+        load_model_folder(file, "float32", config="engine/assets/default")
+
+
+def test_without_config_offline_the_message_names_the_repo_and_config(flux, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    def offline(*args, **kwargs):
+        raise OfflineModeIsEnabled("offline")
+
+    def not_cached(*args, **kwargs):
+        raise LocalEntryNotFoundError("not cached")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
+    _, _, _, file = flux
+    with pytest.raises(SourceError, match=r"black-forest-labs/FLUX.1-dev.*config=DIR \(--config DIR\)"):
+        load_model_folder(file, "float32")
