@@ -129,6 +129,9 @@ async def open_webui_draws(url: str, workflow: dict, client_id: str, key: str = 
                 assert answer.status == 200, await answer.text()
                 prompt_id = (await answer.json())["prompt_id"]
             async for message in ws:
+                if message.type == aiohttp.WSMsgType.BINARY:  # previews: Open WebUI skips them
+                    heard.append({"type": "preview", "data": message.data})
+                    continue
                 data = json.loads(message.data)
                 heard.append(data)
                 if data["type"] == "executing" and data["data"]["node"] is None:
@@ -168,6 +171,8 @@ def test_open_webuis_default_workflow_draws_a1111s_picture_and_tells_its_progres
     assert [kinds.index(kind) for kind in order] == sorted(kinds.index(kind) for kind in order)
     progress = next(m["data"] for m in heard if m["type"] == "progress")
     assert (progress["value"], progress["max"], progress["node"]) == (1, 3, "3")
+    preview = next(m["data"] for m in heard if m["type"] == "preview")  # ComfyUI's PREVIEW_IMAGE frame, a PNG
+    assert preview[:8] == bytes([0, 0, 0, 1, 0, 0, 0, 2]) and Image.open(io.BytesIO(preview[8:])).size == (64, 64)
     executed = next(m["data"] for m in heard if m["type"] == "executed")
     assert executed["node"] == "9" and executed["output"]["images"][0]["type"] == "output"
 

@@ -6,7 +6,8 @@ the many scripts written against ComfyUI's `/prompt`). Read ComfyUI's `server.py
   "node_errors"}`, or ComfyUI's refusal (400) naming the node. The drawing goes on after the answer.
 - `/ws?clientId=`: the caller's prompts sent with that client_id tell their progress there as ComfyUI does: `status`,
   `execution_start`, `execution_cached`, `executing` (each node; `null` once the prompt is done and in the history),
-  `progress` {value, max}, `executed` (a SaveImage's pictures), `execution_success` (or `execution_error`,
+  `progress` {value, max}, binary previews (ComfyUI's PREVIEW_IMAGE frames, a PNG; none for a caller that cannot be
+  told apart from others), `executed` (a SaveImage's pictures), `execution_success` (or `execution_error`,
   `execution_interrupted`).
 - `GET /history[/{id}]`, `GET/POST /queue`, `POST /interrupt`: the caller's own prompts only (callers.py), as
   A1111's `/progress` and `/interrupt` answer about the caller's own requests.
@@ -42,7 +43,7 @@ import engine
 
 from . import comfy_graph, comfy_nodes, names
 from .a1111 import check_model, model_title
-from .api_common import ApiJob, ApiJobs, caller_of, opaque, read_picture, result_pngs
+from .api_common import ApiJob, ApiJobs, caller_of, opaque, preview_png, read_picture, result_pngs
 from .api_gate import ApiError, incident
 from .callers import Caller
 from .callers import caller_of as scope_caller
@@ -51,7 +52,8 @@ from .requests import api_request
 
 PICTURES_MAX_BYTES = 256 * 2**20  # the pictures /view serves, drawn and uploaded, the oldest dropped first
 MAX_HISTORY = 256  # finished prompts remembered, the oldest dropped first
-SOCKET_BACKLOG = 256  # messages waiting for a slow socket; beyond it progress is dropped
+SOCKET_BACKLOG = 256  # messages waiting for a slow socket; beyond it progress and previews are dropped
+PREVIEW_FRAME = (1).to_bytes(4, "big") + (2).to_bytes(4, "big")  # ComfyUI's PREVIEW_IMAGE event, a PNG
 MEDIA = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 FOLDERS = ("output", "input", "temp")
 NOT_HERE = "no such picture here: /view serves only the pictures this server drew or was sent, for a while"
@@ -123,12 +125,22 @@ class Sockets:
     def __init__(self):
         self._queues: dict[tuple[str, str], list[asyncio.Queue]] = {}
 
-    def send(self, caller: Caller, client_id: str | None, kind: str, data: dict) -> None:
+    def _listening(self, caller: Caller, client_id: str | None) -> list[asyncio.Queue]:
         keys = [key for key in self._queues if key[0] == caller.name and (client_id is None or key[1] == client_id)]
-        for key in keys:
-            for queue in self._queues[key]:
-                if queue.qsize() < SOCKET_BACKLOG or kind != "progress":
-                    queue.put_nowait({"type": kind, "data": data})
+        return [queue for key in keys for queue in self._queues[key]]
+
+    def send(self, caller: Caller, client_id: str | None, kind: str, data: dict) -> None:
+        for queue in self._listening(caller, client_id):
+            if queue.qsize() < SOCKET_BACKLOG or kind != "progress":
+                queue.put_nowait({"type": kind, "data": data})
+
+    def send_preview(self, caller: Caller, client_id: str | None, preview) -> None:
+        """ComfyUI's binary preview frame (event 1, PREVIEW_IMAGE; format 2, PNG), to sockets that keep up;
+        `preview()` makes the PNG, only when someone listens."""
+        listening = [queue for queue in self._listening(caller, client_id) if queue.qsize() < SOCKET_BACKLOG]
+        png = preview() if listening else None
+        for queue in listening if png else ():
+            queue.put_nowait(PREVIEW_FRAME + png)
 
     async def serve(self, socket: WebSocket, caller: Caller, client_id: str, status: dict) -> None:
         await socket.accept()
@@ -150,7 +162,11 @@ class Sockets:
 
 async def _send_each(socket: WebSocket, queue: asyncio.Queue) -> None:
     while True:
-        await socket.send_text(json.dumps(await queue.get()))
+        message = await queue.get()
+        if isinstance(message, bytes):
+            await socket.send_bytes(message)
+        else:
+            await socket.send_text(json.dumps(message))
 
 
 async def _until_closed(socket: WebSocket) -> None:
@@ -253,6 +269,8 @@ class ComfyDoor:
             sampler = prompt.plan.roles["sampler"]
             data = {"value": event.step, "max": event.total, "prompt_id": prompt.id, "node": sampler}
             self._tell(prompt, "progress", data)
+        elif isinstance(event, engine.Preview) and not prompt.caller.shared:  # a shared caller's may be another's
+            self.sockets.send_preview(prompt.caller, prompt.client_id, lambda: preview_png(prompt.job))
 
     async def _follow(self, prompt: Prompt) -> None:
         try:
