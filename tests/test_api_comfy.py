@@ -375,9 +375,9 @@ def test_system_stats_and_queue_and_interrupt_speak_comfyuis_shapes_within_the_c
         assert client.post("/prompt", json={"prompt": drawing()}).status_code == 200  # its share is free again
 
 
-def test_an_anonymous_caller_is_refused_where_api_keys_are_set():
-    key = "comfy-key-1"
-    with ServedApp(fake_app(FakeEngine(), api_keys=[key])) as url:
+def test_an_anonymous_caller_is_refused_where_api_keys_are_set_and_a_callers_pictures_are_its_own():
+    key, other = "comfy-key-1", "comfy-key-2"
+    with ServedApp(fake_app(FakeEngine(), api_keys=[key, other])) as url:
         refused = requests.post(f"{url}/prompt", json={"prompt": drawing()}, timeout=10)
         assert refused.status_code == 401 and refused.json()["error"]["message"].startswith("Incorrect credentials")
         assert requests.get(f"{url}/api/object_info", timeout=10).status_code == 401
@@ -390,3 +390,10 @@ def test_an_anonymous_caller_is_refused_where_api_keys_are_set():
         asyncio.run(anonymous_socket())
         heard, picture = asyncio.run(open_webui_draws(url, drawing(), "owui-2", key=key))
         assert heard[-1]["data"]["node"] is None and picture.startswith(b"\x89PNG")
+        image = next(m["data"]["output"]["images"][0] for m in heard if m["type"] == "executed")
+        prompt_id = heard[-1]["data"]["prompt_id"]
+        for who, found in ((key, 200), (other, 404)):
+            headers = {"Authorization": f"Bearer {who}"}
+            assert requests.get(f"{url}/view", params=image, headers=headers, timeout=10).status_code == found
+            history = requests.get(f"{url}/history/{prompt_id}", headers=headers, timeout=10).json()
+            assert (prompt_id in history) == (found == 200)
