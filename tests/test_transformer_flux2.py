@@ -4,8 +4,6 @@ real widths."""
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,6 @@ from diffusers import Flux2Transformer2DModel as TorchFlux2
 from flax import nnx
 from reference import nchw, nhwc, randomize, rel_error, state_dict_numpy
 from test_precision import assert_all_bf16, f32, heavy_ops, in_bf16
-from test_weights_int8 import random_params
 
 from engine.errors import ConfigError
 from engine.families.base import Models
@@ -186,19 +183,6 @@ def test_rope_dims_must_fill_a_head():
         Flux2TransformerConfig.from_dict(dict(TINY, axes_dims_rope=(4, 4, 4, 2)))
 
 
-@pytest.mark.slow  # about 30 s on two cores: 560M parameters, drawn, copied and run twice
-def test_klein_4b_blocks_match_diffusers():
-    start = time.perf_counter()
-    # std 0.02 keeps the activations near 1 at Klein-4B's width (3072), as for FLUX.1's blocks.
-    ref = randomize(TorchFlux2(**KLEIN_4B_BLOCKS), std=0.02)
-    ours = ours_from_torch(ref)
-    values = inputs(ours.config, (8, 8), [(4, 4)], tokens=16)
-    want = diffusers_prediction(ref, **values)
-    del ref
-    got = ours_prediction(ours, **values)
-    assert rel_error(got, want) < REAL_TOL, (np.abs(got - want).max(), time.perf_counter() - start)
-
-
 def test_jitted_bf16_is_near_f32(tiny):
     """As the engine runs it on an accelerator: bf16 weights, under jit (the RoPE tables are constants)."""
     ref, _ = tiny
@@ -249,26 +233,33 @@ def test_klein_denoisers_bytes_in_bf16_and_int8(config, sizes):
     assert (bf16 / 1e9, int8 / 1e9) == pytest.approx(sizes, abs=0.01)
 
 
-@pytest.mark.slow  # about 30 s on two cores
-def test_klein_4b_blocks_in_int8_stay_near_f32():
-    started = time.perf_counter()
-    cfg = Flux2TransformerConfig(**KLEIN_4B_BLOCKS)
-    with shapes_only():
-        graphdef, abstract = nnx.split(Models(transformer=Flux2Transformer2DModel(cfg, nnx.Rngs(0))))
-    params = random_params(abstract, std=0.02)
+@pytest.fixture(scope="module")
+def klein_blocks():
+    """One block of each kind at Klein-4B's widths (560M parameters): our f32 model, its inputs (256 latent, 64
+    reference and 32 text tokens) and diffusers' prediction. std 0.02 keeps the activations near 1 at width 3072."""
+    ref = randomize(TorchFlux2(**KLEIN_4B_BLOCKS), std=0.02)
+    ours = ours_from_torch(ref)
+    values = inputs(ours.config, (16, 16), [(8, 8)], tokens=32, seed=1)
+    want = diffusers_prediction(ref, **values)
+    return ours, values, want
+
+
+@pytest.mark.slow  # with the int8 test below, 290 s on two cores at load 11: the draw, copies and 3 forwards
+def test_klein_4b_blocks_match_diffusers(klein_blocks):
+    ours, values, want = klein_blocks
+    got = ours_prediction(ours, **values)
+    assert rel_error(got, want) < REAL_TOL, np.abs(got - want).max()
+
+
+@pytest.mark.slow
+def test_klein_4b_blocks_in_int8_stay_near_f32(klein_blocks):
+    """The engine's `--quantize int8` (per-channel int8 kernels) on the real widths, against diffusers in f32."""
+    ours, values, want = klein_blocks
+    graphdef, params = nnx.split(Models(transformer=ours))
     quantized = quantize_params(params, "transformer")
-    values = inputs(cfg, (16, 16), [(8, 8)], tokens=64, seed=1)  # 256 latent and 64 reference tokens
-
-    @jax.jit
-    def forward(params):
-        model = nnx.merge(graphdef, dequantize(params)).transformer
-        context = model.project_context(values["encoder_hidden_states"])
-        return model(values["x"], values["timestep"], context, values["references"])
-
-    want, got = np.asarray(forward(params)), np.asarray(forward(quantized))
-    error, rms = rel_error(got, want), float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-    print(
-        f"Klein-4B blocks int8 vs f32: max {error:.2e}, rms {rms:.2e} relative; {time.perf_counter() - started:.0f} s"
-    )
     assert param_bytes(quantized["transformer"]) / param_bytes(params["transformer"]) < 0.251
+    got = ours_prediction(nnx.merge(graphdef, dequantize(quantized)).transformer, **values)
+    error, rms = rel_error(got, want), float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+    print(f"Klein-4B blocks int8 vs f32: max {error:.2e}, rms {rms:.2e} relative")
+    # Measured: max 1.6e-2, rms 1.7e-2 (normal weights: real checkpoints' outlier columns widen their steps).
     assert error < 3e-2 and rms < 4e-2
