@@ -110,6 +110,24 @@ def openclip_original(encoder, extra_layer: bool = False) -> dict[str, torch.Ten
     return out
 
 
+def vae_original(vae) -> dict[str, torch.Tensor]:
+    """diffusers' AutoencoderKL under the original (LDM) names, without the `first_stage_model.` prefix."""
+    out, ups = {}, len(vae.config.up_block_types)
+    for key, value in vae.state_dict().items():
+        name = key.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
+        name = re.sub(r"down_blocks\.(\d+)\.resnets\.", r"down.\1.block.", name)
+        name = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0\.", r"down.\1.downsample.", name)
+        name = re.sub(r"up_blocks\.(\d+)\.resnets\.", lambda m: f"up.{ups - 1 - int(m[1])}.block.", name)
+        name = re.sub(r"up_blocks\.(\d+)\.upsamplers\.0\.", lambda m: f"up.{ups - 1 - int(m[1])}.upsample.", name)
+        name = re.sub(r"mid_block\.resnets\.(\d)\.", lambda m: f"mid.block_{int(m[1]) + 1}.", name)
+        if m := re.fullmatch(r"(.+)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", name):
+            name = f"{m[1]}.mid.attn_1.{VAE_ATTENTION[m[2]]}.{m[3]}"
+            if m[2] != "group_norm" and m[3] == "weight":
+                value = value[:, :, None, None]  # the original's 1x1 convs
+        out[name] = value
+    return out
+
+
 def to_original(pipe, kind: str = "sd1") -> dict[str, torch.Tensor]:
     """The pipeline's networks as one state dict in the original layout."""
     out = {}
@@ -121,19 +139,7 @@ def to_original(pipe, kind: str = "sd1") -> dict[str, torch.Tensor]:
             part, _, leaf = rest.partition(".")
             rest = f"{RESNET[part]}.{leaf}"
         out[f"model.diffusion_model.{table[head]}{rest}"] = value
-    ups = len(pipe.vae.config.up_block_types)
-    for key, value in pipe.vae.state_dict().items():
-        name = key.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
-        name = re.sub(r"down_blocks\.(\d+)\.resnets\.", r"down.\1.block.", name)
-        name = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0\.", r"down.\1.downsample.", name)
-        name = re.sub(r"up_blocks\.(\d+)\.resnets\.", lambda m: f"up.{ups - 1 - int(m[1])}.block.", name)
-        name = re.sub(r"up_blocks\.(\d+)\.upsamplers\.0\.", lambda m: f"up.{ups - 1 - int(m[1])}.upsample.", name)
-        name = re.sub(r"mid_block\.resnets\.(\d)\.", lambda m: f"mid.block_{int(m[1]) + 1}.", name)
-        if m := re.fullmatch(r"(.+)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", name):
-            name = f"{m[1]}.mid.attn_1.{VAE_ATTENTION[m[2]]}.{m[3]}"
-            if m[2] != "group_norm" and m[3] == "weight":
-                value = value[:, :, None, None]  # the original's 1x1 convs
-        out[f"first_stage_model.{name}"] = value
+    out |= {f"first_stage_model.{k}": v for k, v in vae_original(pipe.vae).items()}
     if kind == "sd1":
         out |= {f"cond_stage_model.transformer.{k}": v for k, v in clip_original(pipe.text_encoder).items()}
     elif kind == "sd2":  # the OpenCLIP tower has one layer more, which SD 2.x never reads

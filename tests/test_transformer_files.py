@@ -13,6 +13,8 @@ exactly. Truncated files, a GGUF of another architecture and files of unknown la
 
 from __future__ import annotations
 
+import shutil
+
 import gguf
 import ml_dtypes
 import numpy as np
@@ -375,3 +377,99 @@ def test_without_config_offline_the_message_names_the_repo_and_config(flux, monk
     _, _, _, file = flux
     with pytest.raises(SourceError, match=r"black-forest-labs/FLUX.1-dev.*config=DIR \(--config DIR\)"):
         load_model_folder(file, "float32")
+
+
+def test_an_all_in_one_file_brings_its_own_vae_and_text_encoders(flux, tmp_path):
+    """ComfyUI's all-in-one layout: the transformer under model.diffusion_model., the VAE in the original (LDM)
+    layout under first_stage_model., CLIP-L and T5 under text_encoders.*.transformer.; the config folder holds
+    configs and tokenizers only, so every weight comes from the file."""
+    from test_single_file import vae_original
+
+    reference, folder, bfl, _ = flux
+    networks = {f"model.diffusion_model.{k}": v for k, v in bfl.items()}
+    networks |= {f"first_stage_model.{k}": v.float().numpy() for k, v in vae_original(reference.vae).items()}
+    for prefix, encoder in (("clip_l", reference.text_encoder), ("t5xxl", reference.text_encoder_2)):
+        networks |= {f"text_encoders.{prefix}.transformer.{k}": v for k, v in numpy_state(encoder).items()}
+    file = tmp_path / "flux1-dev-all-in-one.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in networks.items()}, str(file))
+    configs = tmp_path / "configs"
+    shutil.copytree(folder, configs, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert_same_params(
+        load_model_folder(file, "float32", config=configs).params, load_model_folder(folder, "float32").params
+    )
+
+
+SD3_LAYERS = 2
+
+
+def sd3_to_mmdit(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """diffusers' SD3Transformer2DModel names -> Stability's MMDiT names: the inverse of diffusers' published table
+    (`convert_sd3_transformer_checkpoint_to_diffusers`), with SD 3.5's QK-norm and dual attention."""
+    top = {
+        "pos_embed.proj": "x_embedder.proj",
+        "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+        "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+        "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+        "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+        "context_embedder": "context_embedder",
+        "proj_out": "final_layer.linear",
+    }
+    block = {
+        "attn.to_out.0": "x_block.attn.proj",
+        "attn2.to_out.0": "x_block.attn2.proj",
+        "norm1.linear": "x_block.adaLN_modulation.1",
+        "ff.net.0.proj": "x_block.mlp.fc1",
+        "ff.net.2": "x_block.mlp.fc2",
+        "attn.to_add_out": "context_block.attn.proj",
+        "ff_context.net.0.proj": "context_block.mlp.fc1",
+        "ff_context.net.2": "context_block.mlp.fc2",
+        "attn.norm_q": "x_block.attn.ln_q",
+        "attn.norm_k": "x_block.attn.ln_k",
+        "attn.norm_added_q": "context_block.attn.ln_q",
+        "attn.norm_added_k": "context_block.attn.ln_k",
+        "attn2.norm_q": "x_block.attn2.ln_q",
+        "attn2.norm_k": "x_block.attn2.ln_k",
+    }
+    out = {"pos_embed": sd["pos_embed.pos_embed"]}
+    for end in ("weight", "bias"):
+        out |= {f"{theirs}.{end}": sd[f"{ours}.{end}"] for ours, theirs in top.items()}
+        out[f"final_layer.adaLN_modulation.1.{end}"] = swap_halves(sd[f"norm_out.linear.{end}"])
+        for i in range(SD3_LAYERS):
+            d, b = f"transformer_blocks.{i}", f"joint_blocks.{i}"
+            out |= {
+                f"{b}.{theirs}.{end}": sd[f"{d}.{ours}.{end}"]
+                for ours, theirs in block.items()
+                if f"{d}.{ours}.{end}" in sd
+            }
+            context = sd[f"{d}.norm1_context.linear.{end}"]  # the last block's is AdaLayerNormContinuous: swapped
+            out[f"{b}.context_block.adaLN_modulation.1.{end}"] = (
+                swap_halves(context) if i == SD3_LAYERS - 1 else context
+            )
+            for fused, parts in (
+                ("x_block.attn", [f"attn.to_{x}" for x in "qkv"]),
+                ("context_block.attn", [f"attn.add_{x}_proj" for x in "qkv"]),
+                ("x_block.attn2", [f"attn2.to_{x}" for x in "qkv"]),
+            ):
+                if f"{d}.{parts[0]}.{end}" in sd:
+                    out[f"{b}.{fused}.qkv.{end}"] = np.concatenate([sd[f"{d}.{p}.{end}"] for p in parts])
+    assert sum(v.size for v in out.values()) == sum(v.size for v in sd.values())  # every tensor, once
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def test_an_sd35_mmdit_file_loads_the_folders_weights_exactly(tmp_path_factory):
+    from test_sd3 import build_reference
+
+    reference = build_reference("sd35", tmp_path_factory)
+    root = tmp_path_factory.mktemp("sd35")
+    reference.save_pretrained(root / "folder")
+    mmdit = sd3_to_mmdit(numpy_state(reference.transformer))
+    assert "joint_blocks.0.x_block.attn2.qkv.weight" in mmdit and "joint_blocks.1.x_block.attn.ln_q.weight" in mmdit
+    file = root / "sd3.5_medium.safetensors"
+    save_file(mmdit, str(file))
+    from_file = load_model_folder(file, "float32", config=root / "folder")
+    assert (from_file.family, from_file.label) == ("sd3", "Stable Diffusion 3")
+    assert_same_params(from_file.params, load_model_folder(root / "folder", "float32").params)
+    gguf_file = root / "sd3.5_medium-Q8_0.gguf"
+    write_gguf(gguf_file, mmdit, q8_types(mmdit), architecture="sd3")
+    quantized = load_model_folder(gguf_file, "float32", config=root / "folder").params["transformer"]
+    assert any(isinstance(v.get_value(), Int8Kernel) for _, v in nnx.to_flat_state(quantized))
