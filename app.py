@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         "--model",
         default=os.environ.get("MODEL_ID") or None,
         help="Hub id, local diffusers folder, or a single-file checkpoint (FILE.safetensors or .ckpt in the original "
-        "SD 1.x / 2.x / SDXL layout; env MODEL_ID); default: the embedded model",
+        "SD 1.x / 2.x / SDXL layout; a FLUX.1 or SD 3 transformer .safetensors or .gguf; env MODEL_ID); default: the "
+        "embedded model",
     )
     parser.add_argument(
         "--embeddings",

@@ -6,7 +6,8 @@ matching and 16-channel VAE) each
 declare a `FAMILY` (`base.Family`: components and their classes, prompt encoding, the denoiser call, guidance
 style, latent format, defaults, layout checks) and its `VARIANTS` (tasks: text-to-image, inpainting).
 `loader.py` reads a diffusers folder into a `LoadedModel` by asking the folder's family; `single_file.py` reads
-a single-file checkpoint in the original layout as one, with a folder's configs. `qwen_prompt.py` says how the
+a single-file checkpoint in the original layout as one, with a folder's configs, and `transformer_file.py` a FLUX.1
+or SD 3 transformer file (GGUF too), with a folder's text encoders and VAE. `qwen_prompt.py` says how the
 pipelines on a Qwen3 text encoder encode a prompt (chat template options, length, hidden layers). A new family
 is one new module and one line in `FAMILIES`.
 
