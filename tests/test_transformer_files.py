@@ -473,3 +473,28 @@ def test_an_sd35_mmdit_file_loads_the_folders_weights_exactly(tmp_path_factory):
     write_gguf(gguf_file, mmdit, q8_types(mmdit), architecture="sd3")
     quantized = load_model_folder(gguf_file, "float32", config=root / "folder").params["transformer"]
     assert any(isinstance(v.get_value(), Int8Kernel) for _, v in nnx.to_flat_state(quantized))
+
+
+def test_a_scaled_fp8_file_loads_each_weight_times_its_scale(flux, tmp_path):
+    """ComfyUI's "scaled" fp8: each 2-D weight divided by one number (its largest value over fp8's 448) before the
+    cast, that number saved beside it as `scale_weight` and a `scaled_fp8` marker: the weights load as the products."""
+    from safetensors.torch import save_file as save_torch
+
+    _, folder, bfl, _ = flux
+    stored, products = {}, {}
+    for name, w in bfl.items():
+        if w.ndim == 2:
+            scale = np.float32(np.abs(w).max() / 448)
+            fp8 = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+            stored[name] = torch.from_numpy(fp8.view(np.uint8)).view(torch.float8_e4m3fn)
+            stored[name.removesuffix(".weight") + ".scale_weight"] = torch.tensor([scale])
+            stored[name.removesuffix(".weight") + ".scale_input"] = torch.tensor([1.0])
+            products[name] = fp8.astype(np.float32) * scale
+        else:
+            stored[name], products[name] = torch.from_numpy(w), w
+    stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    file, widened = tmp_path / "flux1-dev-fp8-scaled.safetensors", tmp_path / "products.safetensors"
+    save_torch(stored, str(file))
+    save_file(products, str(widened))
+    got = load_model_folder(file, "float32", config=folder).params["transformer"]
+    assert_same_params(got, load_model_folder(widened, "float32", config=folder).params["transformer"])

@@ -9,7 +9,8 @@ else from the Hub repo diffusers uses for that kind: FLUX.1-dev or -schnell (tol
 Large or Medium, SD 3 Medium, every file but the transformer's weights, downloaded or cached (offline and not
 cached: a message that names `config=`).
 
-Weights: bf16, f16 and f32 as they are; fp8 (`float8_e4m3fn`, `float8_e5m2`) widened to the run dtype at load;
+Weights: bf16, f16 and f32 as they are; fp8 (`float8_e4m3fn`, `float8_e5m2`) widened to the run dtype at load
+(ComfyUI's "scaled" fp8, each weight times its `scale_weight`: `ScaledFP8`);
 a GGUF's Q8_0 kernels kept as our int8 (`loading.quantize.Int8Kernel`, quantized again per output channel: see
 `loading.gguf_file`), its other quantized types dequantized to the run dtype.
 """
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from ..schedulers import SchedulerConfig
 from . import family_of, flux, sd3
 from .base import Family
 
+log = logging.getLogger(__name__)
 VAE_PREFIX = "first_stage_model."
 TEXT_PREFIX = "text_encoders."  # ComfyUI's all-in-one files: text_encoders.{clip_l,clip_g,t5xxl}.transformer.
 
@@ -152,7 +155,6 @@ class TransformerFile:
     transformer: dict[str, Any]  # diffusers' names; Int8Kernel (our layout) where the file held Q8_0
     others: dict[str, dict[str, np.ndarray]]  # an all-in-one file's VAE (original layout) and text encoders
     folder: ModelFolder  # everything else; its name is the file
-    types: dict[str, int] = field(default_factory=dict)  # a GGUF's tensor types, for people
 
     def scheduler(self, config: SchedulerConfig) -> SchedulerConfig:
         return config
@@ -196,6 +198,39 @@ def _all_in_one(tensors: Mapping[str, np.ndarray], kind: TransformerKind) -> dic
     return out
 
 
+class ScaledFP8:
+    """A weight of ComfyUI's "scaled" fp8 files (`scaled_fp8` among the keys): fp8 values beside `NAME.scale_weight`,
+    the number they were divided by; the weight is their product, computed in f32 when it is read (a slice or
+    `np.asarray`), one tensor at a time."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, values: np.ndarray, scale: np.ndarray):
+        self.values, self.scale = values, np.asarray(scale, np.float32)
+        self.shape, self.ndim = values.shape, values.ndim
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self.values[index].astype(np.float32) * self.scale
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        product = self[...]
+        return product if dtype is None else product.astype(dtype)
+
+
+def _unscaled(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A scaled fp8 file's weights as their products (`ScaledFP8`); `scale_input` (the activations' scale of fp8
+    matmuls) has no use once the weights are widened. Any other file as it is."""
+    if not any(name.endswith("scaled_fp8") for name in tensors):
+        return tensors
+    out = {}
+    for name, array in tensors.items():
+        if name.endswith(("scaled_fp8", ".scale_input", ".scale_weight")):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale_weight") if name.endswith(".weight") else None
+        out[name] = array if scale is None else ScaledFP8(array, scale)
+    return out
+
+
 def _int8(transformer: dict[str, Any], plan: Plan | None, quantized: set[str], dtype: str) -> dict[str, Any]:
     """The 2-D weights that came from Q8_0 tensors as Int8Kernels in our layout ([in, out]), scales in the run
     dtype; each is widened to f32 only while it is quantized again, a few at a time."""
@@ -220,6 +255,9 @@ def open_transformer_file(source: str | Path, dtype: str, config: str | Path | N
     path = Path(source).expanduser()
     where = str(source)
     raw, quantized, types = _read(path, dtype)
+    if types:
+        log.info("%s: GGUF of %s", where, ", ".join(f"{n} {kind}" for kind, n in sorted(types.items())))
+    raw = _unscaled(raw)
     transformer = strip_prefix(raw)
     found = _kind_of_keys(set(transformer))
     if found is None:
@@ -242,7 +280,7 @@ def open_transformer_file(source: str | Path, dtype: str, config: str | Path | N
     if quantized:
         transformer = _int8(transformer, plan, quantized, dtype)
     folder = _config_folder(kind, config, where, set(strip_prefix(raw)))
-    return TransformerFile(path, kind, transformer, others, dataclasses.replace(folder, name=where), types)
+    return TransformerFile(path, kind, transformer, others, dataclasses.replace(folder, name=where))
 
 
 def _config_folder(kind: TransformerKind, config: str | Path | None, where: str, names: set[str]) -> ModelFolder:
