@@ -120,6 +120,8 @@ def _nodes(prompt: Any) -> dict[str, dict]:
         raise GraphError("invalid_prompt", "prompt must be an object of nodes by id, each with class_type and inputs")
     if len(prompt) > MAX_NODES:
         raise GraphError("invalid_prompt", f"a prompt has at most {MAX_NODES} nodes here, this one {len(prompt)}")
+    if any(len(str(nid)) > 64 for nid in prompt):
+        raise GraphError("invalid_prompt", "a node's id is at most 64 characters (ComfyUI's are numbers: \"3\")")
     nodes, errors = {}, {}
     for nid, node in prompt.items():
         nid = str(nid)
