@@ -199,7 +199,7 @@ def test_jitted_bf16_is_near_f32(tiny):
 
     got = step(params, *values.values())
     assert got.dtype == jnp.bfloat16
-    assert rel_error(np.asarray(got, np.float32), want) < 3e-2
+    assert rel_error(np.asarray(got, np.float32), want) < 3e-2  # 1.1e-2 measured (f32: 6e-7)
 
 
 def test_flux2_runs_in_bf16_from_f32_inputs():
