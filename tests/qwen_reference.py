@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+from transformers.initialization import no_init_weights
 
 torch.set_num_threads(1)  # JAX holds the other core
 
@@ -230,7 +231,9 @@ def tiny_qwen3(vocab_size: int, seed: int = 0, causal_lm: bool = False, **layout
     """A random `Qwen3Model` (or `Qwen3ForCausalLM`) of `layout` (Qwen3Config's names) with `vocab_size` tokens."""
     config = Qwen3Config(vocab_size=vocab_size, attention_dropout=0.0, **layout)
     config._attn_implementation = "eager"  # f32 reference: the plain softmax, not a fused kernel
-    return randomize_qwen3((Qwen3ForCausalLM if causal_lm else Qwen3Model)(config), seed)
+    with no_init_weights():  # every parameter is redrawn below: transformers' own init would be drawn for nothing
+        model = (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)
+    return randomize_qwen3(model, seed)
 
 
 def save_tiny_qwen3(

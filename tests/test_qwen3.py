@@ -201,16 +201,16 @@ def test_each_pipelines_prompt_embeds_equal_diffusers(recipe, tokenizer_folder, 
     cfg = Qwen3Config.from_json(tmp_path / "config.json")
     n = prompt.layers(cfg)
     assert n == (27 if causal else 2)  # not the layers after: 28 and 3 in the folder
-    ours = load_ours(tmp_path, num_layers=n)
     theirs = AutoTokenizer.from_pretrained(str(folder))
     prompts = list(PROMPTS[:3])
     ids, mask, warnings = prompt.tokenize(QwenTokenizer(folder), prompts, max_length=48)
     assert len(warnings) == int(causal)  # Klein's third prompt loses its empty think block, as diffusers cuts it
-    got = np.asarray(prompt.embeds(cfg, run(ours, ids, mask)))
-    # The same on the host (`host_qwen3`, as T5 runs with --t5 host): ids and mask in, the layers read side by side out.
+    # On the host (`host_qwen3`, as T5 runs with --t5 host): ids and mask in, the layers read side by side out.
     tensors = read_safetensors(sorted(tmp_path.glob("*.safetensors")))
-    host = host_qwen3("text_encoder", cfg, tensors, "float32", "tiny", prompt.hidden_layers)
-    assert rel_error(host(ids, mask), got) < 1e-6
+    got = host_qwen3("text_encoder", cfg, tensors, "float32", "tiny", prompt.hidden_layers)(ids, mask)
+    if not causal:  # and on the devices (one compile of 27 layers is enough for Klein)
+        device = prompt.embeds(cfg, run(load_ours(tmp_path, num_layers=n), ids, mask))
+        assert rel_error(device, got) < 1e-6
     if causal:
         want = Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, theirs, list(prompts), max_sequence_length=48)
         assert got.shape == (3, 48, 3 * cfg.hidden_size)
