@@ -94,14 +94,17 @@ def test_every_hidden_state_matches_transformers(layout, causal_lm, tokenizer_fo
 
 
 def test_a_prompt_alone_equals_its_row_in_a_padded_batch(tokenizer_folder, tmp_path):
-    """Padding changes no real token's states (the mask), and the causal mask hides later tokens."""
+    """Padding changes no real token's states (causal, right-padded, masked), so Z-Image's reading, which keeps the
+    real tokens only, may run fewer tokens than 512; FLUX.2 [klein]'s reads the padding's rows too."""
     folder, vocab = tokenizer_folder
     save_tiny_qwen3(tmp_path, vocab, seed=2)
     ours, tokenizer = load_ours(tmp_path), QwenTokenizer(folder)
+    cfg = ours.config
     ids, mask = batch(tokenizer, PROMPTS[:2], 32)
     n = int(mask[1].sum())
-    alone = run(ours, ids[1:, :n], mask[1:, :n])[-2]
-    assert rel_error(alone[0], run(ours, ids, mask)[-2][1, :n]) < TOL
+    alone = Z_IMAGE.embeds(cfg, run(ours, ids[1:, :n], mask[1:, :n]))
+    assert rel_error(alone[0], Z_IMAGE.embeds(cfg, run(ours, ids, mask))[1, :n]) < TOL
+    assert not Z_IMAGE.reads_padding and FLUX2_KLEIN.reads_padding
 
 
 @pytest.fixture(scope="module")
@@ -230,16 +233,23 @@ def test_layers_needed_counts_transformers_hidden_states():
         layers_needed(cfg, (37,))
 
 
-def test_qwen3_4b_weighs_8_gb_in_bf16_and_4_4_in_int8():
+@pytest.mark.parametrize(
+    "reading, layers, count, bf16, int8",
+    [(None, 36, 4.022, 8.04, 4.41), ("zimage", 35, 3.922, 7.84, 4.31), ("klein", 27, 3.114, 6.23, 3.50)],
+)
+def test_what_qwen3_4b_weighs_in_bf16_and_int8(reading, layers, count, bf16, int8):
     """Qwen/Qwen3-4B's shapes (no weights drawn): 4.02 B parameters, its embedding (tied to lm_head) 0.39 B of them;
-    int8 kernels take the 36 layers' 3.63 B to one byte each, the embedding stays bf16."""
+    int8 kernels take the layers to one byte a weight, the embedding stays bf16. Z-Image's reading needs 35 of its
+    36 layers, FLUX.2 [klein]'s 27 (GB: 1e9 bytes)."""
+    cfg = Qwen3Config(**QWEN3_4B)
+    if reading is not None:
+        assert (Z_IMAGE if reading == "zimage" else FLUX2_KLEIN).layers(cfg) == layers
     with shapes_only():
-        _, params = nnx.split(Models(text_encoder=Qwen3Model(Qwen3Config(**QWEN3_4B), nnx.Rngs(0))))
+        _, params = nnx.split(Models(text_encoder=Qwen3Model(cfg, nnx.Rngs(0), num_layers=layers)))
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), params)
-    count = param_bytes(params) / 2
     quantized = quantize_params(params, "text_encoder")
-    assert count / 1e9 == pytest.approx(4.022, abs=0.001)
-    assert (param_bytes(params) / 1e9, param_bytes(quantized) / 1e9) == pytest.approx((8.04, 4.41), abs=0.01)
+    assert param_bytes(params) / 2e9 == pytest.approx(count, abs=0.001)
+    assert (param_bytes(params) / 1e9, param_bytes(quantized) / 1e9) == pytest.approx((bf16, int8), abs=0.01)
 
 
 def test_stray_tensors_and_unsupported_configs_are_refused(tokenizer_folder, tmp_path):

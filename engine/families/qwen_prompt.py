@@ -26,6 +26,9 @@ class QwenPrompt:
     enable_thinking: bool  # the chat template's option: False closes an empty <think> block after the prompt
     hidden_layers: tuple[int, ...]  # transformers' `hidden_states` indices, side by side in this order
     max_sequence_length: int = 512  # the pipelines' default; tokens past it are cut, the rest padded to it
+    # Whether the embeddings include the padding's rows. Where they do not (Z-Image keeps the real tokens only),
+    # the padding changes nothing that is read (causal, right-padded), so fewer than 512 tokens may be run.
+    reads_padding: bool = True
 
     def tokenize(
         self, tokenizer: QwenTokenizer, prompts: list[str], max_length: int | None = None, what: str = "prompt"
@@ -45,5 +48,5 @@ class QwenPrompt:
         return prompt_embeds(config, hidden_states, self.hidden_layers)
 
 
-Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,))
+Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False)
 FLUX2_KLEIN = QwenPrompt(enable_thinking=False, hidden_layers=(9, 18, 27))
