@@ -244,7 +244,9 @@ def klein_blocks():
     return ours, values, want
 
 
-@pytest.mark.slow  # with the int8 test below, 290 s on two cores at load 11: the draw, copies and 3 forwards
+# With the int8 test below: 290 s on two cores shared at load 11, where FLUX.1's 25-s blocks test took 162 s, so
+# about 45 s on two idle cores (the draw, the copies and three forwards).
+@pytest.mark.slow
 def test_klein_4b_blocks_match_diffusers(klein_blocks):
     ours, values, want = klein_blocks
     got = ours_prediction(ours, **values)
