@@ -14,6 +14,8 @@ so no one-init hides a wrong mapping.
 
     vocab = save_tiny_qwen_tokenizer(tmp / "tokenizer")
     model = save_tiny_qwen3(tmp / "text_encoder", vocab, causal_lm=True, **QWEN3_LAYOUTS["klein"])
+
+or both at once, as a pipeline folder holds them: `save_tiny_qwen_components(tmp, "klein")`.
 """
 
 from __future__ import annotations
@@ -243,3 +245,15 @@ def save_tiny_qwen3(
     model = tiny_qwen3(vocab_size, seed, causal_lm, **(layout or QWEN3_LAYOUTS["zimage"]))
     model.save_pretrained(str(folder))
     return model
+
+
+def save_tiny_qwen_components(
+    folder: str | Path, layout: str = "zimage", seed: int = 0
+) -> tuple[Qwen3Model | Qwen3ForCausalLM, int]:
+    """`folder`/tokenizer and `folder`/text_encoder as a pipeline folder holds them: Z-Image's `Qwen3Model` for
+    the "zimage" and "plain" layouts, FLUX.2 [klein]'s `Qwen3ForCausalLM` for "klein". Returns the model and the
+    vocabulary size (the model's `vocab_size`)."""
+    folder = Path(folder)
+    vocab = save_tiny_qwen_tokenizer(folder / "tokenizer")
+    model = save_tiny_qwen3(folder / "text_encoder", vocab, seed, layout == "klein", **QWEN3_LAYOUTS[layout])
+    return model, vocab

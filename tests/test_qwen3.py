@@ -21,6 +21,7 @@ from qwen_reference import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_LAYOUTS,
     save_tiny_qwen3,
+    save_tiny_qwen_components,
     save_tiny_qwen_tokenizer,
     tiny_qwen3,
 )
@@ -193,27 +194,25 @@ def test_a_long_prompt_is_cut_with_a_warning(tokenizer_folder):
 
 
 @pytest.mark.parametrize("recipe", ["zimage", "klein"])
-def test_each_pipelines_prompt_embeds_equal_diffusers(recipe, tokenizer_folder, tmp_path):
-    """Z-Image's `_encode_prompt` (hidden_states[-2] of the real tokens) and FLUX.2 [klein]'s
-    `_get_qwen3_prompt_embeds` (layers 9, 18, 27 of a 28-layer encoder, padding included), from a model that builds
-    only the layers read."""
-    folder, vocab = tokenizer_folder
-    causal = recipe == "klein"
-    ref = save_tiny_qwen3(tmp_path, vocab, seed=6, causal_lm=causal, **QWEN3_LAYOUTS[recipe])
+def test_each_pipelines_prompt_embeds_equal_diffusers(recipe, tmp_path):
+    """Z-Image's `_encode_prompt` (hidden_states[-2] of the real tokens, from a `Qwen3Model`) and FLUX.2 [klein]'s
+    `_get_qwen3_prompt_embeds` (layers 9, 18, 27 of a 28-layer `Qwen3ForCausalLM`, padding included), from a model
+    that builds only the layers read, on the host (as T5 runs with --t5 host) and on the devices."""
+    ref, _ = save_tiny_qwen_components(tmp_path, recipe, seed=6)
+    causal, tokenizer_folder, encoder_folder = recipe == "klein", tmp_path / "tokenizer", tmp_path / "text_encoder"
     prompt = FLUX2_KLEIN if causal else Z_IMAGE
-    cfg = Qwen3Config.from_json(tmp_path / "config.json")
+    cfg = Qwen3Config.from_json(encoder_folder / "config.json")
     n = prompt.layers(cfg)
     assert n == (27 if causal else 2)  # not the layers after: 28 and 3 in the folder
-    theirs = AutoTokenizer.from_pretrained(str(folder))
     prompts = list(PROMPTS[:3])
-    ids, mask, warnings = prompt.tokenize(QwenTokenizer(folder), prompts, max_length=48)
+    ids, mask, warnings = prompt.tokenize(QwenTokenizer(tokenizer_folder), prompts, max_length=48)
     assert len(warnings) == int(causal)  # Klein's third prompt loses its empty think block, as diffusers cuts it
-    # On the host (`host_qwen3`, as T5 runs with --t5 host): ids and mask in, the layers read side by side out.
-    tensors = read_safetensors(sorted(tmp_path.glob("*.safetensors")))
+    tensors = read_safetensors(sorted(encoder_folder.glob("*.safetensors")))
     got = host_qwen3("text_encoder", cfg, tensors, "float32", "tiny", prompt.hidden_layers)(ids, mask)
-    if not causal:  # and on the devices (one compile of 27 layers is enough for Klein)
-        device = prompt.embeds(cfg, run(load_ours(tmp_path, num_layers=n), ids, mask))
+    if not causal:  # one compile of 27 layers is enough for Klein
+        device = prompt.embeds(cfg, run(load_ours(encoder_folder, num_layers=n), ids, mask))
         assert rel_error(device, got) < 1e-6
+    theirs = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     if causal:
         want = Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, theirs, list(prompts), max_sequence_length=48)
         assert got.shape == (3, 48, 3 * cfg.hidden_size)
