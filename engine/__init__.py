@@ -17,11 +17,13 @@ from .request import SEED_LIMIT, GenerationRequest, GenerationResult, Limits
 from .sampling.images import canny_image
 from .sampling.pairs import pair_cores
 from .serving.engine import DEFAULT_MAX_BATCH_SIZE, Engine
-from .serving.start import enable_compile_cache, keep_freed_memory, load_pipeline
-from .serving.ticket import Event, Failed, Finished, Preview, Progress, Queued, Ticket, cancelled
+from .serving.model_pool import DEFAULT_MAX_LOADED, ModelPool
+from .serving.start import enable_compile_cache, keep_freed_memory, load_models, load_pipeline
+from .serving.ticket import Event, Failed, Finished, Loading, Preview, Progress, Queued, Ticket, cancelled
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_LOADED",
     "SEED_LIMIT",
     "VARIANTS",
     "Variant",
@@ -40,6 +42,8 @@ __all__ = [
     "GenerationResult",
     "InvalidRequest",
     "Limits",
+    "Loading",
+    "ModelPool",
     "Preview",
     "Progress",
     "Queued",
@@ -48,6 +52,7 @@ __all__ = [
     "WeightsError",
     "enable_compile_cache",
     "keep_freed_memory",
+    "load_models",
     "load_pipeline",
     "request_fields",
 ]

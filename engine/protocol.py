@@ -47,6 +47,10 @@ class EngineFace(Protocol):
     example_prompts: list[str]  # the model's own examples; else the page's general ones
     embeddings: Any  # textual inversion: `.loaded`, `.skipped`, `.a1111()` (loading/textual_inversion.py); else none
     upscalers: Any  # the picture upscalers: `.names()`, `.entries` (loading/upscaler_folder.py); else none
+    # A server of several models (`engine.ModelPool`, serving/model_pool.py's ServedModels): `.titles()`, `.default`,
+    # `.match(name)` -> title (InvalidRequest listing the offered ones), `.set_default(name)`, `.refresh()`,
+    # `.a1111()` (A1111's /sd-models items), `.loras()`, `.vaes()`; else one model, `model_name`
+    models: Any
 
     # Warm-up
     @property

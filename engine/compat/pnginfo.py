@@ -26,6 +26,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from .. import request_fields
+from ..loading.models_folder import title_parts
 
 if TYPE_CHECKING:
     from ..request import GenerationRequest
@@ -159,6 +160,11 @@ class GenerationParameters:
             if f.needs_image and not pictured or not f.is_written(value):
                 value = _unset(f)  # written only with a picture (denoising strength); or off (deep cache 1)
             recorded[name] = value if value is None else f.type(value)
+        extra = _adapter_entries(request)
+        if getattr(request, "model", None):  # a models folder's checkpoint: A1111's model name and short hash
+            model, short = title_parts(request.model)
+            if short:
+                extra = {"Model hash": short, **extra}
         return cls(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt or "",
@@ -166,7 +172,7 @@ class GenerationParameters:
             width=request.width,
             height=request.height,
             model=model,
-            extra=_adapter_entries(request),
+            extra=extra,
             **recorded,
         )
 

@@ -270,6 +270,11 @@ class Engine:
         self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
 
+    def add_loras(self, factors: dict[str, LoRAFactors]) -> None:
+        """LoRAs served from now on (matched to the model by `lora.lora_factors`); earlier requests weigh them 0."""
+        self.loras.add(factors)
+        self.limits = self.jobs.limits = dataclasses.replace(self.limits, loras=self.loras.names)
+
     def upscale(self, picture: Image.Image, width: int, height: int, upscaler: str) -> Image.Image:
         """A picture at width x height through one of this server's upscalers ("Lanczos", "Nearest" or a network of
         `upscalers`), as A1111's Extras upscale it; one at a time (it takes the CPUs the drawings use). Refused by

@@ -34,12 +34,25 @@ class ServedLoRAs:
 
     def __init__(self, factors: Mapping[str, LoRAFactors], replicated: NamedSharding, keep: int = 2):
         self.names: tuple[str, ...] = tuple(factors)
+        self._replicated = replicated
         self._factors = jax.device_put([factors[name] for name in self.names], replicated)
         self._paths = set().union(*(set(f) for f in factors.values())) if factors else set()
         self._merge = jax.jit(apply_loras, out_shardings=replicated)
         self._merged: OrderedDict[Weights, nnx.State] = OrderedDict()
         self._keep = keep
         self._lock = threading.Lock()
+
+    def add(self, factors: Mapping[str, LoRAFactors]) -> None:
+        """More LoRAs after those loaded (a models folder's `Lora/`, at a prompt's first call of each). A job made
+        before holds fewer weights: the LoRAs added since count 0 for it, as it never named them."""
+        new = {name: f for name, f in factors.items() if name not in self.names}
+        if not new:
+            return
+        placed = jax.device_put(list(new.values()), self._replicated)
+        with self._lock:
+            self._factors = [*self._factors, *placed]
+            self._paths = self._paths.union(*(set(f) for f in new.values()))
+            self.names = (*self.names, *new)
 
     def weights(self, lora_scales: Mapping[str, float] | None) -> Weights:
         """The request's weights in load order; a name left out: 1.0."""
@@ -56,12 +69,14 @@ class ServedLoRAs:
         if not any(weights):
             return base
         with self._lock:
+            factors, paths = self._factors, self._paths
+            weights = (*weights, *[0.0] * (len(factors) - len(weights)))  # LoRAs added since the job was made
             if weights in self._merged:
                 self._merged.move_to_end(weights)
                 return self._merged[weights]
         flat = list(nnx.to_flat_state(base))
-        adapted = nnx.from_flat_state([(path, var) for path, var in flat if path in self._paths])
-        merged = dict(nnx.to_flat_state(self._merge(adapted, self._factors, jnp.asarray(weights, np.float32))))
+        adapted = nnx.from_flat_state([(path, var) for path, var in flat if path in paths])
+        merged = dict(nnx.to_flat_state(self._merge(adapted, factors, jnp.asarray(weights, np.float32))))
         params = nnx.from_flat_state([(path, merged.get(path, var)) for path, var in flat])
         with self._lock:
             self._merged[weights] = params

@@ -14,13 +14,15 @@ from ..families import FAMILIES
 from ..families.loader import load_model_folder
 from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
+from ..loading.models_folder import ModelsFolder
 from ..loading.quantize import MODES as QUANTIZE_MODES
 from ..loading.quantize import quantize_params
-from ..loading.textual_inversion import attach_embeddings
+from ..loading.textual_inversion import attach_embeddings, encoder_parts
 from ..loading.upscaler_folder import UpscalerFolder
 from ..loading.vae import attach_vae, load_vae
 from ..nn import onednn
 from .engine import Engine
+from .model_pool import DEFAULT_MAX_LOADED, ModelPool
 
 
 def enable_compile_cache(path: str | os.PathLike | None = None) -> Path:
@@ -99,7 +101,8 @@ def load_pipeline(
     config: str | os.PathLike | None = None,
     prediction_type: str | None = None,
     embeddings: str | os.PathLike | None = None,
-    upscalers: str | os.PathLike | None = None,
+    upscalers: str | os.PathLike | UpscalerFolder | None = None,
+    embeddings_where_taken: bool = False,
     **serving,
 ) -> Engine:
     """Loads a model: None (the embedded default), a diffusers-format folder or Hub id, or a single-file checkpoint
@@ -125,7 +128,9 @@ def load_pipeline(
     inversion embeddings (A1111's `embeddings/`: `.pt`, `.bin`, `.safetensors`) or one file, each called in prompts by
     its file's name; in a folder, one that does not fit the model is skipped and `Engine.embeddings.skipped` says why.
     `upscalers`: a folder of upscaler networks (ESRGAN, Real-ESRGAN, SRVGGNetCompact files), offered beside Lanczos and
-    Nearest to hires fix and `Engine.upscale`; each file's layout is told at start and its weights load at first use.
+    Nearest to hires fix and `Engine.upscale`; each file's layout is told at start and its weights load at first use
+    (or an `UpscalerFolder` several engines share). `embeddings_where_taken`: a model whose family takes no
+    embeddings loads without them instead of being refused (a models folder's `embeddings/` serves every model).
     """
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ConfigError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE_MODES)} (or None: no quantization)")
@@ -148,7 +153,8 @@ def load_pipeline(
         model = attach_vae(model, load_vae(vae, dtype))
     if controlnet is not None:
         model = attach_controlnet(model, load_controlnet(controlnet, dtype))
-    if embeddings is not None:  # rows appended to the text encoders' token tables, once
+    if embeddings is not None and not (embeddings_where_taken and not encoder_parts(FAMILIES[model.family])):
+        # rows appended to the text encoders' token tables, once
         model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
@@ -158,7 +164,9 @@ def load_pipeline(
         from ..loading.safety import load_safety_checker
 
         checker = load_safety_checker(model.config_folder or source, dtype)
-    folder = UpscalerFolder.for_models(upscalers=upscalers) if upscalers is not None else None
+    folder = upscalers
+    if upscalers is not None and not isinstance(upscalers, UpscalerFolder):
+        folder = UpscalerFolder.for_models(upscalers=upscalers)
     engine = Engine(
         model,
         devices=devices,
@@ -171,3 +179,39 @@ def load_pipeline(
     if not safety_checker:
         engine.safety_mode = "off"
     return engine
+
+
+def load_models(
+    models: str | os.PathLike,
+    default: str | None = None,
+    max_loaded: int = DEFAULT_MAX_LOADED,
+    embeddings: str | os.PathLike | None = None,
+    upscalers: str | os.PathLike | None = None,
+    config: str | os.PathLike | None = None,
+    prediction_type: str | None = None,
+    **options,
+) -> ModelPool:
+    """Serves a models folder in AUTOMATIC1111's layout (`loading/models_folder.py`): every checkpoint of its
+    `Stable-diffusion/` (single files and diffusers folders alike), loaded on demand, at most `max_loaded` at once
+    (serving/model_pool.py); the LoRAs of its `Lora/`, called from prompts; its `embeddings/` (or `embeddings`) and
+    its `ESRGAN/` and `RealESRGAN/` upscalers (or `upscalers`) for every model. `default`: the model a request
+    without one draws with (a title, name or hash; default: the first in the folder). `config` and
+    `prediction_type` are the single files' (`load_pipeline`'s); `options`: every other `load_pipeline` option,
+    the same for each model. Nothing is loaded yet: `ModelPool.load` or `start_warmup` loads the default."""
+    folder = ModelsFolder.open(models)
+    shared = UpscalerFolder.for_models(models=models, upscalers=upscalers)
+    embeddings = embeddings if embeddings is not None else folder.embeddings
+
+    def load(checkpoint) -> Engine:
+        single = checkpoint.path.is_file()
+        return load_pipeline(
+            checkpoint.path,
+            embeddings=embeddings,
+            embeddings_where_taken=True,
+            upscalers=shared,
+            config=config if single else None,
+            prediction_type=prediction_type if single else None,
+            **options,
+        )
+
+    return ModelPool(folder, load, default, max_loaded, upscalers=shared)

@@ -25,6 +25,11 @@ class Queued:
 
 
 @dataclass(frozen=True)
+class Loading:
+    model: str  # the model the request waits for: being loaded, or waiting for room to load it (serving/model_pool.py)
+
+
+@dataclass(frozen=True)
 class Progress:
     step: int  # loop steps done, averaged over the request's images
     total: int
@@ -46,7 +51,7 @@ class Failed:
     error: BaseException
 
 
-Event = Queued | Progress | Preview | Finished | Failed
+Event = Queued | Loading | Progress | Preview | Finished | Failed
 
 
 class Ticket:
