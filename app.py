@@ -38,6 +38,20 @@ def main(argv: list[str] | None = None) -> None:
         "embedded model",
     )
     parser.add_argument(
+        "--models",
+        default=os.environ.get("JAX_SD_MODELS") or None,
+        help="a models folder in A1111's layout (env JAX_SD_MODELS): every checkpoint of its Stable-diffusion/ "
+        "(single files and diffusers folders) is served and a request may name one; Lora/ is called from prompts, "
+        "embeddings/, ESRGAN/ and RealESRGAN/ serve every model. --model then names the default",
+    )
+    parser.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=engine.DEFAULT_MAX_LOADED,
+        help="with --models: models held in memory at once; another is loaded on demand once the least recently "
+        "used one is idle",
+    )
+    parser.add_argument(
         "--embeddings",
         default=None,
         help="a folder of textual inversion embeddings (A1111's embeddings/: .pt, .safetensors), each called in a "
@@ -214,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-body-mb must be above 0")
     if args.max_picture_pixels is not None and args.max_picture_pixels <= 0:
         parser.error("--max-picture-pixels must be above 0")
+    if args.max_loaded_models < 1:
+        parser.error("--max-loaded-models must be at least 1")
+    if args.models and loras:
+        parser.error("--lora and --models: put the LoRA in the models folder's Lora/ and call it from the prompt")
     if args.max_caller_requests < 1 or args.max_caller_work < 1:
         parser.error("--max-caller-requests and --max-caller-work must be at least 1")
     try:
@@ -232,14 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     engine.keep_freed_memory()  # XLA's CPU temporaries reused, not mapped afresh at every call (before JAX starts)
     engine.enable_compile_cache()
     started = time.perf_counter()
-    pipe = engine.load_pipeline(
-        args.model,
+    options = dict(
         dtype=dtype,
         max_batch_size=args.max_batch_size,
         sizes=sizes,
         safety_checker=not args.no_safety_checker,
         controlnet=args.controlnet,
-        loras=loras,
         vae=args.vae,
         quantize=args.quantize,
         t5=args.t5,
@@ -248,6 +264,11 @@ def main(argv: list[str] | None = None) -> None:
         embeddings=args.embeddings,
         upscalers=args.upscalers,
     )
+    if args.models:  # several models, loaded on demand (engine/serving/model_pool.py); the default one now
+        pipe = engine.load_models(args.models, default=args.model, max_loaded=args.max_loaded_models, **options)
+        log.info("models: %s (at most %d loaded at once)", ", ".join(pipe.models.titles()), args.max_loaded_models)
+    else:
+        pipe = engine.load_pipeline(args.model, loras=loras, **options)
     log.info("loaded %s on %s in %.1f s", pipe.model_name, pipe.devices, time.perf_counter() - started)
     pipe.start_warmup(num_images=args.images_per_device * len(pipe.devices))
     web_app = web.build_app(

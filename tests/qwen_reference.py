@@ -172,6 +172,8 @@ QWEN3_4B_LAYER = dict(
 )
 # Qwen/Qwen3-4B's config.json (its architecture's fields), for what the whole encoder weighs.
 QWEN3_4B = dict(QWEN3_4B_LAYER, num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=True)
+# Qwen/Qwen3-8B's (FLUX.2 [klein] 9B's text encoder; its lm_head is not tied, and not read).
+QWEN3_8B = dict(QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 
 
 def save_tiny_qwen_tokenizer(folder: str | Path, template_file: bool = False) -> int:

@@ -18,6 +18,7 @@ from flax import nnx
 from qwen_reference import (
     QWEN3_4B,
     QWEN3_4B_LAYER,
+    QWEN3_8B,
     QWEN3_CHAT_TEMPLATE,
     QWEN3_LAYOUTS,
     save_tiny_qwen3,
@@ -233,14 +234,20 @@ def test_layers_needed_counts_transformers_hidden_states():
 
 
 @pytest.mark.parametrize(
-    "reading, layers, count, bf16, int8",
-    [(None, 36, 4.022, 8.04, 4.41), ("zimage", 35, 3.922, 7.84, 4.31), ("klein", 27, 3.114, 6.23, 3.50)],
+    "model, reading, layers, count, bf16, int8",
+    [
+        ("4B", None, 36, 4.022, 8.04, 4.41),
+        ("4B", "zimage", 35, 3.922, 7.84, 4.31),
+        ("4B", "klein", 27, 3.114, 6.23, 3.50),
+        ("8B", "klein", 27, 5.832, 11.66, 6.46),
+    ],
 )
-def test_what_qwen3_4b_weighs_in_bf16_and_int8(reading, layers, count, bf16, int8):
-    """Qwen/Qwen3-4B's shapes (no weights drawn): 4.02 B parameters, its embedding (tied to lm_head) 0.39 B of them;
-    int8 kernels take the layers to one byte a weight, the embedding stays bf16. Z-Image's reading needs 35 of its
-    36 layers, FLUX.2 [klein]'s 27 (GB: 1e9 bytes)."""
-    cfg = Qwen3Config(**QWEN3_4B)
+def test_what_qwen3_weighs_in_bf16_and_int8(model, reading, layers, count, bf16, int8):
+    """Qwen/Qwen3-4B's and -8B's shapes (no weights drawn): 4.02 B parameters, 0.39 B of them the embedding (tied to
+    lm_head); 8.19 B with an lm_head of 0.62 B that no text encoder reads. int8 kernels take the layers to one byte a
+    weight, the embedding stays bf16. Z-Image's reading needs 35 of the 36 layers, FLUX.2 [klein]'s 27 (4B and 9B,
+    on Qwen3-8B). GB: 1e9 bytes."""
+    cfg = Qwen3Config(**(QWEN3_4B if model == "4B" else QWEN3_8B))
     if reading is not None:
         assert (Z_IMAGE if reading == "zimage" else FLUX2_KLEIN).layers(cfg) == layers
     with shapes_only():

@@ -8,10 +8,13 @@ package and the many tools that speak it. Read A1111's `modules/api/api.py` for 
 - `progress` / `interrupt` / `skip`: about the caller's own running API requests (`skip` stops them as `interrupt`
   does: A1111 skips the picture of a batch it is drawing, and here a batch's pictures are drawn together) (`api_common.ApiJobs`), not the server's;
   no preview when callers cannot be told apart (anonymous behind a proxy that is not trusted: callers.py).
-- `sd-models` / `options`: the one model the server was started with. Setting `sd_model_checkpoint` to it is
-  accepted; to any other is refused (422): the server never switches models for a client. Other options are
-  accepted and change nothing (the server's settings are not one client's to change; per-request
-  `override_settings` are read).
+- `sd-models` / `options`: the server's models. Started with `--models DIR` (engine.ModelPool): every usable
+  checkpoint of the folder in A1111's shape; `POST /options {"sd_model_checkpoint": ...}` sets the default model as
+  A1111 switches (it loads in the background; requests wait for it), a request may name its own in
+  `override_settings`, `refresh-checkpoints` reads the folder again, `sd-vae` and `loras` list its `VAE/` and
+  `Lora/`. Started with one model: setting `sd_model_checkpoint` to it is accepted, to any other refused (422).
+  Other options are accepted and change nothing (the server's settings are not one client's to change;
+  per-request `override_settings` are read).
 - `embeddings`: the textual inversion files the server loaded (and those it skipped, with why); `upscalers`,
   `latent-upscale-modes` and the Extras (`extra-single-image`, `extra-batch-images`): a1111_extras.py.
 - Lists of what jax-sd does not have (VAEs, scripts, hypernetworks, ...) are empty, in A1111's shapes.
@@ -30,7 +33,14 @@ from PIL import Image, ImageOps
 
 import engine
 from engine import request_fields
-from engine.compat.pnginfo import CHUNK_KEY, GenerationParameters, format_parameters, infotext_items, png_info
+from engine.compat.pnginfo import (
+    CHUNK_KEY,
+    GenerationParameters,
+    format_parameters,
+    infotext_items,
+    png_info,
+    title_parts,
+)
 
 from . import names
 from .a1111_extras import add_extras_routes
@@ -67,11 +77,16 @@ def model_title(pipe: engine.EngineFace) -> str:
     return pipe.model_name
 
 
-def check_model(pipe: engine.EngineFace, name: Any) -> None:
-    """A client may name the server's own model (A1111 titles carry a " [hash]" and a file extension); any
-    other is refused, never switched to."""
+def check_model(pipe: engine.EngineFace, name: Any) -> str | None:
+    """The model a client names (`sd_model_checkpoint`), as the request's `model`. On a server of several
+    (`--models`) it is matched as A1111 matches a checkpoint (a title, name or hash; an unknown name is refused with
+    the names offered); None or "": the server's default. On a server of one model a client may name it (A1111 titles
+    carry a " [hash]" and a file extension) and any other is refused, never switched to; its requests carry None."""
     if name is None or name == "":
-        return
+        return None
+    served = getattr(pipe, "models", None)  # a server of several: engine.ModelPool's ServedModels
+    if served is not None:
+        return served.match(str(name))
     wanted = re.sub(r"\s*\[[0-9a-fA-F]*\]$", "", str(name).strip())
     wanted = re.sub(r"\.(safetensors|ckpt)$", "", wanted)
     title = model_title(pipe)
@@ -80,6 +95,7 @@ def check_model(pipe: engine.EngineFace, name: Any) -> None:
             f"model {name!r} is not served here: this server serves only {title!r} and does not switch models "
             "(its --model is chosen when it starts)"
         )
+    return None
 
 
 # ---- requests ----------------------------------------------------------------------------------------
@@ -148,8 +164,8 @@ def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
 
 
 # The request fields A1111's door reads its own way: the prompt (its `<lora:...>` tags), the sampler's and schedule's
-# names, the number of pictures (batch_size x n_iter), the pictures.
-OWN_FIELDS = ("prompt", "scheduler", "num_images", "lora_scales", "image", "mask_image")
+# names, the number of pictures (batch_size x n_iter), the pictures, the model (matched by check_model).
+OWN_FIELDS = ("prompt", "scheduler", "num_images", "lora_scales", "image", "mask_image", "model")
 
 
 def body_values(body: Txt2ImgRequest) -> dict[str, Any]:
@@ -192,7 +208,7 @@ def build_request(
     pipe: engine.EngineFace, body: Txt2ImgRequest, pictures: dict[str, Any] | None = None
 ) -> engine.GenerationRequest:
     settings = body.override_settings or {}
-    check_model(pipe, settings.get("sd_model_checkpoint"))
+    model = check_model(pipe, settings.get("sd_model_checkpoint"))
     if body.batch_size < 1 or body.n_iter < 1:
         raise _refuse(f"batch_size and n_iter must be at least 1, got {body.batch_size} and {body.n_iter}")
     prompt, loras = names.take_loras(body.prompt)
@@ -202,6 +218,7 @@ def build_request(
         num_images=body.batch_size * body.n_iter,
         lora_scales=loras,
         **body_values(body),
+        model=model,
         **(pictures or {}),
     )
 
@@ -225,6 +242,7 @@ def info(pipe, body: Txt2ImgRequest, r: engine.GenerationRequest, seeds, withhel
     sampler, schedule = names.a1111_names(r.scheduler)
     n = len(seeds)
     texts = [format_parameters(GenerationParameters.from_request(r, seed, pipe.model_name)) for seed in seeds]
+    model_name, model_hash = title_parts(r.model) if r.model else (pipe.model_name, None)
     extra = {"Schedule type": schedule}
     if r.lora_scales:
         extra["Lora weights"] = ", ".join(f"{name}: {weight:g}" for name, weight in r.lora_scales.items())
@@ -248,8 +266,8 @@ def info(pipe, body: Txt2ImgRequest, r: engine.GenerationRequest, seeds, withhel
         "n_iter": body.n_iter,
         "restore_faces": False,
         "face_restoration_model": None,
-        "sd_model_name": pipe.model_name,
-        "sd_model_hash": None,
+        "sd_model_name": model_name,
+        "sd_model_hash": model_hash,
         "sd_vae_name": None,
         "sd_vae_hash": None,
         "seed_resize_from_w": -1,
@@ -353,16 +371,22 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
     async def png_information(body: PNGInfoRequest):
         return await asyncio.to_thread(read_png_info, body.image, max_pixels)
 
+    served = getattr(pipe, "models", None)  # a server of several models (--models DIR), or None
+
     @router.get("/sd-models", response_model=list[SDModelItem])
     async def sd_models():
+        if served is not None:
+            return [SDModelItem(**item) for item in served.a1111()]
         title = model_title(pipe)
         return [SDModelItem(title=title, model_name=title.rsplit("/", 1)[-1], filename=title)]
 
     @router.get("/options")
     async def get_options():
+        default = served.default if served is not None else model_title(pipe)
+        items = served.a1111() if served is not None else []
         return {
-            "sd_model_checkpoint": model_title(pipe),
-            "sd_checkpoint_hash": None,
+            "sd_model_checkpoint": default,
+            "sd_checkpoint_hash": next((item["sha256"] for item in items if item["title"] == default), None),
             "sd_vae": "Automatic",
             "CLIP_stop_at_last_layers": 1,
             "samples_format": "png",
@@ -373,7 +397,11 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
 
     @router.post("/options")
     async def set_options(options: dict[str, Any] = Body(...)):  # noqa: B008 - FastAPI's way to take any JSON object
-        check_model(pipe, options.get("sd_model_checkpoint"))
+        name = options.get("sd_model_checkpoint")
+        if served is not None and name not in (None, ""):
+            served.set_default(str(name))  # the default from now on, as A1111 switches; it loads in the background
+        else:
+            check_model(pipe, name)
         return None
 
     @router.get("/samplers", response_model=list[SamplerItem])
@@ -389,7 +417,9 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
 
     @router.get("/loras", response_model=list[LoraItem])
     async def loras():
-        return [LoraItem(name=name, alias=name) for name in getattr(pipe.limits, "loras", ())]
+        given = getattr(pipe.limits, "loras", ())  # --lora NAME=PATH, then a models folder's Lora/
+        folder = [LoraItem(**item) for item in served.loras()] if served is not None else []
+        return [LoraItem(name=name, alias=name) for name in given] + [i for i in folder if i.name not in given]
 
     @router.get("/scripts", response_model=ScriptsList)
     async def scripts():
@@ -401,6 +431,17 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
         return EmbeddingsResponse(**loaded.a1111()) if loaded is not None else EmbeddingsResponse()
 
     add_extras_routes(router, pipe, max_pixels)
+    if served is not None:  # before the empty lists and no-op refreshes below, which they replace
+
+        @router.get("/sd-vae", response_model=list[dict[str, Any]])
+        async def sd_vae():
+            return served.vaes()
+
+        async def refresh() -> None:
+            await asyncio.to_thread(served.refresh)  # new files are hashed
+
+        for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):
+            router.add_api_route(f"/{path}", refresh, methods=["POST"])
     for path in ("sd-vae", "hypernetworks", "face-restorers", "prompt-styles"):
         router.add_api_route(f"/{path}", _nothing, methods=["GET"], response_model=list[dict[str, Any]])
     for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):

@@ -22,7 +22,7 @@ from typing import Any
 from PIL import Image
 
 import engine
-from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info, save_png
+from engine.compat.pnginfo import SAMPLER_NAMES, GenerationParameters, png_info, save_png, title_parts
 
 from .callers import Caller, CallerLimits
 from .pictures import ClientFiles, open_picture
@@ -172,6 +172,8 @@ async def stream(
     async for event in ticket.aevents():
         if isinstance(event, engine.Queued):
             yield None, request.seed, f"Waiting for a free slot: number {event.position} in line."
+        elif isinstance(event, engine.Loading):
+            yield None, request.seed, f"Loading the model {event.model}: drawing starts once it is in memory."
         elif isinstance(event, engine.Progress):
             step = f"step {event.step}/{event.total}"
             if progress is not None:
@@ -189,7 +191,8 @@ async def stream(
                     gallery.append((_placeholder(image.size), f"filtered by the safety checker · seed {seed}"))
                     continue
                 path = with_parameters(image, result.request, seed, pipe.model_name, files)
-                gallery.append((path, f"{device} · seed {seed}"))
+                drawn_by = f"{title_parts(result.request.model)[0]} · " if result.request.model else ""
+                gallery.append((path, f"{drawn_by}{device} · seed {seed}"))
             yield gallery, request.seed, describe(result, as_bool(random_seed))
 
 

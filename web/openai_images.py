@@ -1,8 +1,9 @@
 """OpenAI's Images API (`/v1/images/generations`, `/v1/images/edits`) over the engine, for the `openai` client,
 Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
 
-- `model` is accepted whatever it names ("dall-e-3", "gpt-image-1", ...): the server draws with its own model, the
-  one `/v1/models` lists.
+- `model`: on a server of several models (`--models DIR`) one of those `/v1/models` lists (a title, name or hash as
+  A1111's /sd-models gives them; an unknown one is refused with the names offered); OpenAI's own names ("dall-e-3",
+  "gpt-image-1", ...) and none draw with the default. On a server of one model any name draws with it.
 - `output_format`: "png" (the default; the picture carries its recipe), "jpeg" or "webp", at `output_compression`
   (0-100, default 100). `quality` and `style` are accepted and change nothing (the model's steps and guidance are
   ours to set: `num_inference_steps`, `guidance_scale`); `background` "auto" or "opaque" (every picture is), and
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -132,6 +134,18 @@ def body_values(pipe: engine.EngineFace, body: BaseModel) -> dict[str, Any]:
     return values
 
 
+OPENAI_MODELS = re.compile(r"^(dall-e-\d|gpt-image-[\w.-]+)$")  # OpenAI's own names: the server's default model
+
+
+def model_choice(pipe: engine.EngineFace, name: str | None) -> str | None:
+    """The request's `model`: on a server of several, the title of the one named (refused by name if none is);
+    None for OpenAI's own model names, none at all, or a server of one model (which draws whatever is named)."""
+    served = getattr(pipe, "models", None)
+    if served is None or not name or OPENAI_MODELS.match(str(name).strip()):
+        return None
+    return served.match(str(name))
+
+
 class PictureLinks:
     """The PNGs behind `response_format=url`, each under an unguessable name for a while."""
 
@@ -192,6 +206,7 @@ async def draw(
         height=height,
         num_images=1 if body.n is None else body.n,
         lora_scales=loras,
+        model=model_choice(pipe, body.model),
         **body_values(pipe, body),
         **(pictures or {}),
     )
@@ -272,10 +287,16 @@ def openai_router(
 
     @router.get("/models")
     async def models():
-        """The model this server draws with, as OpenAI's model list."""
+        """The models this server draws with (the default first), as OpenAI's model list."""
+        served = getattr(pipe, "models", None)
+        ids = (
+            [pipe.model_name]
+            if served is None
+            else [served.default, *(t for t in served.titles() if t != served.default)]
+        )
         return {
             "object": "list",
-            "data": [{"id": pipe.model_name, "object": "model", "created": 0, "owned_by": "jax-sd"}],
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "jax-sd"} for name in ids],
         }
 
     return router
