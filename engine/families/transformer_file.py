@@ -11,7 +11,7 @@ cached: a message that names `config=`).
 
 Weights: bf16, f16 and f32 as they are; fp8 (`float8_e4m3fn`, `float8_e5m2`) widened to the run dtype at load
 (ComfyUI's "scaled" fp8, each weight times its `scale_weight`: `ScaledFP8`);
-a GGUF's Q8_0 kernels kept as our int8 (`loading.quantize.Int8Kernel`, quantized again per output channel: see
+a GGUF's Q8_0 kernels kept as our int8 exactly (`loading.quantize.Int8Kernel` with Q8_0's block scales: see
 `loading.gguf_file`), its other quantized types dequantized to the run dtype.
 """
 
@@ -22,7 +22,6 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,8 @@ import numpy as np
 from ..errors import ConfigError, SourceError, WeightsError
 from ..loading.dit_keys import Plan, apply_plan, flux_plan, sd3_plan, strip_prefix
 from ..loading.gguf_file import SUFFIX as GGUF_SUFFIX
-from ..loading.gguf_file import read_gguf
+from ..loading.gguf_file import Q8Tensor, read_gguf
 from ..loading.ldm_keys import vae_to_diffusers
-from ..loading.quantize import THREADS, Int8Kernel, quantize_kernel
 from ..loading.sources import ModelFolder, hub_files_or_cache, resolve, select_hub_files
 from ..loading.weights import map_safetensors
 from ..schedulers import SchedulerConfig
@@ -167,9 +165,8 @@ class TransformerFile:
         return {name: tensors for name, tensors in out.items() if name in configs}
 
 
-def _read(path: Path, dtype: str) -> tuple[dict[str, np.ndarray], set[str], dict[str, int]]:
-    """The file's tensors, the names that were Q8_0 and a GGUF's tensor types; a GGUF of an architecture we do not
-    serve is refused by name."""
+def _read(path: Path, dtype: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The file's tensors and a GGUF's tensor types; a GGUF of an architecture we do not serve is refused by name."""
     if path.suffix.lower() == GGUF_SUFFIX:
         contents = read_gguf(path, dtype)
         if contents.architecture not in {kind.name for kind in KINDS}:
@@ -177,9 +174,9 @@ def _read(path: Path, dtype: str) -> tuple[dict[str, np.ndarray], set[str], dict
                 f"{path}: a GGUF file of architecture {contents.architecture!r}, which this engine does not serve; "
                 f"it serves GGUF transformers of {SERVED}"
             )
-        return contents.tensors, contents.int8, contents.types
+        return contents.tensors, contents.types
     try:
-        return map_safetensors(path), set(), {}
+        return map_safetensors(path), {}
     except WeightsError as err:
         raise SourceError(str(err)) from err
 
@@ -231,22 +228,12 @@ def _unscaled(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _int8(transformer: dict[str, Any], plan: Plan | None, quantized: set[str], dtype: str) -> dict[str, Any]:
-    """The 2-D weights that came from Q8_0 tensors as Int8Kernels in our layout ([in, out]), scales in the run
-    dtype; each is widened to f32 only while it is quantized again, a few at a time."""
-    chosen = [
-        name
-        for name, array in transformer.items()
-        if name.endswith(".weight") and len(array.shape) == 2 and (plan[name].source if plan else name) in quantized
-    ]
+def _int8(transformer: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The linear weights a GGUF holds as Q8_0 as Int8Kernels in our layout ([in, out]), values and block scales as
+    the file has them (`Q8Tensor.kernel`), the scales in the run dtype."""
     scale_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-
-    def requantize(name: str) -> Int8Kernel:
-        return quantize_kernel(np.asarray(transformer[name], np.float32).T, scale_dtype)
-
-    with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-gguf") as pool:
-        done = dict(zip(chosen, pool.map(requantize, chosen), strict=True))
-    return {**transformer, **done}
+    chosen = [k for k, v in transformer.items() if isinstance(v, Q8Tensor) and v.ndim == 2 and k.endswith(".weight")]
+    return {**transformer, **{name: transformer[name].kernel(scale_dtype) for name in chosen}}
 
 
 def open_transformer_file(source: str | Path, dtype: str, config: str | Path | None = None) -> TransformerFile:
@@ -254,7 +241,7 @@ def open_transformer_file(source: str | Path, dtype: str, config: str | Path | N
     keys and finds the folder that supplies the rest."""
     path = Path(source).expanduser()
     where = str(source)
-    raw, quantized, types = _read(path, dtype)
+    raw, types = _read(path, dtype)
     if types:
         log.info("%s: GGUF of %s", where, ", ".join(f"{n} {kind}" for kind, n in sorted(types.items())))
     raw = _unscaled(raw)
@@ -275,10 +262,7 @@ def open_transformer_file(source: str | Path, dtype: str, config: str | Path | N
             transformer = apply_plan(plan, transformer, where, f"a whole {kind.label} transformer")
         except WeightsError as err:
             raise SourceError(str(err)) from err
-    else:
-        plan = None
-    if quantized:
-        transformer = _int8(transformer, plan, quantized, dtype)
+    transformer = _int8(transformer, dtype)
     folder = _config_folder(kind, config, where, set(strip_prefix(raw)))
     return TransformerFile(path, kind, transformer, others, dataclasses.replace(folder, name=where))
 

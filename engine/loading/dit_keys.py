@@ -7,9 +7,8 @@ single blocks' q/k/v/MLP input) are cut into diffusers' separate ones along the 
 adaptive norms' (and SD3's last context block's) shift-then-scale halves swap to diffusers' scale-then-shift. The
 widths come from the tensors' shapes, never from a constant, so any size of model converts.
 
-A conversion is a plan first (`Take`: which tensor, which rows, halves swapped), then applied: the plan says where each
-of our tensors came from (a quantized file's int8 kernels, `loading.gguf_file`, are told apart by it) and which of the
-file's tensors nothing took (refused by name: a file of another layout, or a model we do not build).
+A conversion is a plan first (`Take`: which tensor, which rows, halves swapped), then applied: the plan says which of
+the file's tensors nothing took (refused by name: a file of another layout, or a model we do not build).
 """
 
 from __future__ import annotations
@@ -36,10 +35,14 @@ class Take:
     swap: bool = False
 
     def __call__(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        array = tensors[self.source][self.start : self.stop]
+        """Rows of the tensor, picked by slicing or by an index array: a quantized tensor (`gguf_file.Q8Tensor`)
+        picks whole rows of its blocks and stays quantized."""
+        array = tensors[self.source]
+        if self.start is not None or self.stop is not None:
+            array = array[self.start : self.stop]
         if self.swap:
-            shift, scale = np.split(array, 2, axis=0)
-            array = np.concatenate([scale, shift], axis=0)
+            half = array.shape[0] // 2
+            array = array[np.r_[half : array.shape[0], 0:half]]
         return array
 
 

@@ -8,10 +8,12 @@ wan...); `comfy.gguf.orig_shape.NAME` gives a tensor's shape where the converter
 
 What each tensor becomes (`read_gguf`):
 - F32, F16, BF16: views of the mapped file, as they are (widened to the run dtype when the model is built).
-- Q8_0: its exact values (scale times int8, in f32, read when used: `Q8Tensor`), flagged: the loader keeps it as our int8 (`Int8Kernel`). Our
-  kernels hold one scale per output channel, Q8_0 one per 32 inputs of each output row, so its values cannot be
-  taken over as they are (only where every block of a row shares its scale); they are quantized again per output
-  channel, which adds at most half a step of that channel's scale (max |w| / 254) to Q8_0's own error.
+- Q8_0: kept as it is, as our int8 (`Int8Kernel` with one scale per block of 32 inputs of each output channel:
+  `Q8Tensor.kernel`), so its values are exactly the file's (in f32; a bf16 run rounds each f16 scale to bf16). One
+  scale per output channel, as `--quantize int8` holds, would not do: Q8_0's scales differ from block to block along
+  each row (in no row of a real file are they all equal), so taking them over would mean quantizing again, adding
+  up to half a step of the channel's scale (max |w| / 254), some four times Q8_0's own error where a row has
+  outliers.
 - Every other quantized type gguf can dequantize (the K-quants, Q4_0, Q5_0...): dequantized by gguf at load, one
   tensor at a time, to the run dtype.
 """
@@ -25,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import SourceError
+from .quantize import Int8Kernel
 
 SUFFIX = ".gguf"
 PREFIX = "model.diffusion_model."  # ComfyUI's checkpoint prefix, which some files keep
@@ -34,15 +37,17 @@ PREFIX = "model.diffusion_model."  # ComfyUI's checkpoint prefix, which some fil
 class GGUFContents:
     architecture: str  # general.architecture
     tensors: dict[str, np.ndarray]  # the original names (prefix taken off); dequantized where quantized
-    int8: set[str] = field(default_factory=set)  # names that were Q8_0
     types: dict[str, int] = field(default_factory=dict)  # tensor type -> count, for the log and for people
 
 
 class Q8Tensor:
-    """A Q8_0 tensor read when it is used: its values (each block's f16 scale times its int8 values, exact in f32)
-    come from `np.asarray` or a slice, so that a whole model is never widened at once."""
+    """A Q8_0 tensor, read when it is used. As a linear weight [out, in] it becomes an `Int8Kernel` holding its int8
+    values and its scales as they are (`kernel`: one per block of 32 inputs of each output); rows picked from it
+    (a fused q/k/v projection's) stay Q8_0; anything else reads its values (each block's f16 scale times its int8
+    values, exact in f32) through `np.asarray`."""
 
     dtype = np.dtype(np.float32)
+    BLOCK, BYTES = 32, 34  # values per block; bytes per block: an f16 scale, then 32 int8
 
     def __init__(self, blocks: np.ndarray, shape: tuple[int, ...]):
         self.blocks, self.shape, self.ndim = blocks, tuple(shape), len(shape)
@@ -55,12 +60,24 @@ class Q8Tensor:
     def reshape(self, shape: tuple[int, ...]) -> Q8Tensor:
         return Q8Tensor(self.blocks, shape)
 
-    def __getitem__(self, index) -> np.ndarray:
+    def __getitem__(self, index) -> Q8Tensor | np.ndarray:
+        if self.ndim == 2 and self.blocks.ndim == 2 and isinstance(index, (slice, np.ndarray)):  # whole rows
+            rows = self.blocks[index]
+            return Q8Tensor(rows, (rows.shape[0], self.shape[1]))
         return self.values()[index]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         values = self.values()
         return values if dtype is None else values.astype(dtype)
+
+    def kernel(self, dtype) -> Int8Kernel:
+        """The weight [out, in] as our kernel [in, out]: the int8 values as they are, the scales [in / 32, out] in
+        `dtype` (exact in f32 and f16; bf16 rounds each f16 scale to 8 significant bits)."""
+        out, inputs = self.shape
+        blocks = np.ascontiguousarray(self.blocks).reshape(out, inputs // self.BLOCK, self.BYTES)
+        scale = blocks[:, :, :2].copy().view(np.float16)[:, :, 0]  # [out, in / 32]
+        values = blocks[:, :, 2:].copy().view(np.int8).reshape(out, inputs)
+        return Int8Kernel(np.ascontiguousarray(values.T), np.ascontiguousarray(scale.T).astype(dtype))
 
 
 def _string_field(reader, name: str) -> str | None:
@@ -122,8 +139,7 @@ def read_gguf(path: Path, dtype) -> GGUFContents:
         elif kind == Q.BF16:
             array = data.view(np.uint16).view(ml_dtypes.bfloat16)
         elif kind == Q.Q8_0:
-            array = Q8Tensor(data, shape)  # read when used: the loader quantizes it again, a few at a time
-            contents.int8.add(name)
+            array = Q8Tensor(data, shape)  # read when used, or kept as int8
         else:
             try:
                 array = gguf.quants.dequantize(data, kind).astype(dtype)

@@ -36,29 +36,35 @@ THREADS = 8  # numpy frees the GIL in its loops: a few kernels at once
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Int8Kernel:
-    """A linear kernel as int8 values and one scale per output channel: `values * scale` ~ the kernel."""
+    """A linear kernel as int8 values and one scale per output channel: `values * scale` ~ the kernel. Or one scale
+    per block of consecutive inputs of each output channel (a 2-D `scale`): a GGUF file's Q8_0 (blocks of 32), taken
+    over exactly (`loading.gguf_file.Q8Tensor.kernel`)."""
 
     values: Any  # int8 [in, out]
-    scale: Any  # [out], in the kernel's own dtype (f32 on a CPU, bf16 on accelerators): what dequantize gives
+    # [out], or [in / block, out]; in the kernel's own dtype (f32 on a CPU, bf16 on accelerators): what dequantize gives
+    scale: Any
 
     def dequantize(self) -> jax.Array:
+        if self.scale.ndim == 2:  # [blocks, block, out] * [blocks, 1, out]
+            rows, out = self.values.shape
+            blocks = self.values.reshape(self.scale.shape[0], -1, out).astype(self.scale.dtype)
+            return (blocks * self.scale[:, None, :]).reshape(rows, out)
         return self.values.astype(self.scale.dtype) * self.scale  # [in, out] * [out]: per output channel
 
 
-def quantize_kernel(kernel: Any, dtype: Any = None) -> Int8Kernel:
+def quantize_kernel(kernel: Any) -> Int8Kernel:
     """w [in, out] (numpy or jax, any float dtype) -> Int8Kernel with every |values * scale - w| <= scale / 2.
 
     The scale is stored in the kernel's dtype; where rounding it to that dtype made it smaller than max|w| / 127,
     it is rounded up instead, so that no weight falls outside [-127, 127] scales. A column of zeros gets scale 0.
     A `jax.ShapeDtypeStruct` gives the shapes alone: what a model would take, measured without its weights.
-    `dtype`: the scale's dtype where it is not the kernel's (a file's f32 values quantized for a bf16 run).
     """
     if isinstance(kernel, jax.ShapeDtypeStruct):
         return Int8Kernel(
             jax.ShapeDtypeStruct(kernel.shape, np.int8), jax.ShapeDtypeStruct(kernel.shape[1:], kernel.dtype)
         )
     w = np.asarray(kernel)
-    dtype = w.dtype if dtype is None else np.dtype(dtype)
+    dtype = w.dtype
     w = w.astype(np.float32)
     scale = np.abs(w).max(axis=0) / 127.0  # [out]
     stored = scale.astype(dtype)
