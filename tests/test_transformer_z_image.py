@@ -22,12 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 from diffusers import ZImageTransformer2DModel as TorchZImage
 from diffusers.models.transformers.transformer_z_image import TimestepEmbedder
 from flax import nnx
 from reference import nhwc, randomize, rel_error, state_dict_numpy
 from test_precision import assert_all_bf16, f32, heavy_ops, in_bf16
 
+from engine import schedulers as S
 from engine.errors import ConfigError
 from engine.families.base import Models
 from engine.loading.quantize import dequantize, is_quantized, param_bytes, quantize_params
@@ -185,6 +187,28 @@ def test_caption_lengths_are_data_not_programs(tiny):
     assert velocity.programs() == compiled
 
 
+def test_turbos_steps_are_z_image_pipelines(tiny):
+    """Three of Z-Image-Turbo's steps (shift 3, no guidance) through diffusers' own ZImagePipeline, from the same
+    latents and caption states: our schedule's tables and `velocity` give the pipeline's latents."""
+    ref, ours, velocity = tiny
+    x, cap_feats, lengths = inputs(ours.config, (10, 14), (5, 37))
+    config = dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0)  # Turbo's scheduler_config.json
+    pipe = ZImagePipeline(FlowMatchEulerDiscreteScheduler(**config), None, None, None, ref)
+    pipe.set_progress_bar_config(disable=True)
+    latents = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    prompt_embeds = [torch.from_numpy(c[:n]) for c, n in zip(cap_feats, lengths, strict=True)]
+    with mock.patch.object(TimestepEmbedder, "timestep_embedding", staticmethod(rounded_once)):
+        want = pipe(
+            height=80, width=112, num_inference_steps=3, guidance_scale=0.0, latents=latents,
+            prompt_embeds=prompt_embeds, output_type="latent",
+        ).images  # fmt: skip
+    tables = S.tables(S.SchedulerConfig.from_dict(config), "flow_euler", 3, 3, image_tokens=35, uniform_sigmas="torch")
+    for i in range(int(tables.num_loop_steps)):
+        t = np.full(2, tables.timesteps[i], np.float32)
+        x = np.asarray(S.step("flow_euler", tables, S.State(), i, velocity(x, t, cap_feats, lengths), x)[0])
+    assert rel_error(x, nhwc(want)) < TOL
+
+
 def test_patches_are_the_pipelines():
     """`_patchify_image` on [C, 1, H, W] and `unpatchify` give our NHWC patches and their inverse."""
     x = np.random.default_rng(1).standard_normal((2, 6, 10, 4)).astype(np.float32)
@@ -291,7 +315,7 @@ def test_z_image_turbos_bytes_in_bf16_and_in_int8():
     assert (bf16, int8) == pytest.approx((12.31, 6.16), abs=0.01)
 
 
-@pytest.mark.slow  # about 40 s on two cores: 550M parameters drawn, copied, run in torch, in f32 and in int8
+@pytest.mark.slow  # 550M parameters drawn, copied, run in torch, f32 and int8: 165 s on 2 cores at load average 10
 def test_z_image_turbo_blocks_match_diffusers_and_int8_stays_near():
     started = time.perf_counter()
     # std 0.02 keeps the activations near 1 at Z-Image's width (3840); the default 0.1 grows them 5x per layer.
