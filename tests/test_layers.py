@@ -51,6 +51,28 @@ def test_keys_major_attention_is_the_plain_one(shape):
     np.testing.assert_allclose(got, attn.softmax_attention(q, k, v), atol=2e-6, rtol=1e-5)
 
 
+def masked_reference(q, k, v, key_mask):
+    """Each image alone over its attended keys: what a mask must give."""
+    return jnp.concatenate(
+        [
+            attn.softmax_attention(q[i : i + 1], k[i : i + 1][:, key_mask[i]], v[i : i + 1][:, key_mask[i]])
+            for i in range(len(q))
+        ]
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(2, 64, 96, 2, 16), (2, 1024, 1088, 4, 32)])  # plain; query blocks on the CPU
+def test_a_key_mask_weighs_the_masked_keys_nothing(shape, dtype, tol):
+    """Unequal texts in one batch (Z-Image's captions): the first image attends to 40 keys fewer."""
+    q, k, v = qkv(*shape, dtype=dtype)
+    key_mask = jnp.arange(shape[2])[None, :] < jnp.array([shape[2] - 40, shape[2]])[:, None]
+    want = masked_reference(*(a.astype(jnp.float32) for a in (q, k, v)), np.asarray(key_mask))
+    got = jax.jit(attn.dot_product_attention)(q, k, v, key_mask)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("b, n, m, h", [(2, 1024, 1024, 8), (2, 1024, 77, 8), (1, 4096, 4096, 1), (2, 96, 96, 8)])
 def test_query_block_divides_the_queries_and_bounds_the_logits(b, n, m, h):
     block = attn.query_block((b, n, h, 64), m)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..nn.attention import dot_product_attention, softmax_attention
+from ..nn.attention import dot_product_attention
 from ..nn.dit import RMSNorm, computed_param, plain_layer_norm
 from ..nn.layers import Identity, linear
 from .config import _FromJson, _require
@@ -178,14 +178,6 @@ def image_ids(lengths: jax.Array, rows: int, cols: int) -> jax.Array:
     return jnp.pad(real, ((0, 0), (0, total - n), (0, 0)))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim]; `key_mask` [batch, tokens_k], True where a
-    key may be attended (a batch of unequal captions), runs the plain formulation with those logits masked."""
-    if key_mask is None:
-        return dot_product_attention(q, k, v)
-    return softmax_attention(q, k, v, mask=key_mask[:, None, None, :])
-
-
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """FLUX's `apply_rope` (pairs of features rotated in f32), with angles of each image's own: cos, sin
     [batch, tokens, head_dim / 2]."""
@@ -209,7 +201,7 @@ class ZImageAttention(nnx.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k = rotate(q, *rope), rotate(k, *rope)
-        out = attention(q, k, v, key_mask)  # [batch, tokens, heads, head_dim]
+        out = dot_product_attention(q, k, v, key_mask)  # [batch, tokens, heads, head_dim]
         return self.to_out[0](out.reshape(b, n, -1).astype(x.dtype))
 
 

@@ -15,6 +15,10 @@ logits. Which one runs is `attention_kind`'s choice, a pure function of the back
   4096-token self-attention (5 heads) 127 ms in XLA's bf16 query blocks -> 66 ms with 64-query blocks and
   libm's exp -> 33 ms; SD3's 4429 tokens x 24 heads 4.5x faster than the same blocks with XLA's softmax.
 - "plain": two einsums and a softmax; everywhere else.
+
+A key mask ([batch, tokens_k], True where a key may be attended: a batch of texts of unequal lengths, as Z-Image
+pads its captions) runs in cuDNN where it takes one, else in the query blocks where the logits are large, else
+plainly; the oneDNN and flash kernels take none.
 """
 
 from __future__ import annotations
@@ -59,28 +63,33 @@ def query_block(q_shape: tuple[int, ...], kv_tokens: int) -> int:
     return divisor if 2 * divisor >= want else want
 
 
-def keys_major_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def keys_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None = None) -> jax.Array:
     """`softmax_attention` with the logits laid out [batch, heads, tokens_k, tokens_q].
 
     The softmax's max and sum then run over a major axis, vectorised across queries; over the
     minor axis XLA's CPU reductions go one row at a time. 20-40% faster inside a query block on the CPU.
+    `key_mask` [batch, tokens_k]: True where a key may be attended.
     """
     q = q * q.shape[-1] ** -0.5
     logits = jnp.einsum("bkhd,bqhd->bhkq", k, q, preferred_element_type=jnp.float32)
+    if key_mask is not None:
+        logits = jnp.where(key_mask[:, None, :, None], logits, jnp.finfo(jnp.float32).min)
     weights = jnp.exp(logits - jnp.max(logits, axis=2, keepdims=True))  # unnormalised
     total = jnp.sum(weights, axis=2)  # [batch, heads, tokens_q]
     out = jnp.einsum("bhkq,bkhd->bqhd", weights.astype(v.dtype), v)
     return (out / jnp.swapaxes(total, 1, 2)[..., None]).astype(v.dtype)
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+def blockwise_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, key_mask: jax.Array | None = None
+) -> jax.Array:
     """Attention over `block` queries at a time (a loop, not unrolled): each block's logits stay in the cache.
     Queries are padded to whole blocks; the padded rows attend like any other and are cut from the output."""
     b, n, h, d = q.shape
     padded = n + -n % block
     q = _pad(q, 1, padded - n)
     blocks = q.reshape(b, padded // block, block, h, d).swapaxes(0, 1)  # [blocks, batch, block, heads, head_dim]
-    out = jax.lax.map(lambda qb: keys_major_attention(qb, k, v), blocks)
+    out = jax.lax.map(lambda qb: keys_major_attention(qb, k, v, key_mask), blocks)
     return out.swapaxes(0, 1).reshape(b, padded, h, d)[:, :n]
 
 
@@ -135,9 +144,14 @@ def attention_kind(backend: str, q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruc
     return "plain"
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim], by `attention_kind`'s choice."""
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim], by `attention_kind`'s choice.
+
+    `key_mask` [batch, tokens_k] (bool): True where a key may be attended; the others weigh nothing.
+    """
     kind = attention_kind(jax.default_backend(), q, k)
+    if key_mask is not None:
+        return masked_attention(kind, q, k, v, key_mask)
     if kind == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
@@ -150,3 +164,19 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
     if kind == "onednn":
         return onednn.attention(q, k, v)
     return softmax_attention(q, k, v)
+
+
+def masked_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array) -> jax.Array:
+    """`dot_product_attention` with a key mask: cuDNN's kernel where it takes it, the CPU's query blocks where the
+    logits are large (the oneDNN kernel takes no mask), else the plain formulation."""
+    if kind == "cudnn":
+        try:
+            mask = key_mask[:, None, None, :]  # [batch, heads, tokens_q, tokens_k], broadcast
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError):
+            pass
+    b, n, h, _ = q.shape
+    m = k.shape[1]
+    if jax.default_backend() == "cpu" and 4 * b * h * n * m > CPU_LOGITS_BYTES and query_block(q.shape, m) < n:
+        return blockwise_attention(q, k, v, query_block(q.shape, m), key_mask)
+    return softmax_attention(q, k, v, key_mask[:, None, None, :])
