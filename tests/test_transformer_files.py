@@ -1,28 +1,26 @@
-"""FLUX.1 and SD 3.5 transformer files: Black Forest Labs' and Stability's original layouts, diffusers' layout, fp8,
-and city96's GGUF, each loaded with a diffusers folder of the same model as `config=` for the rest.
+"""FLUX.1 and SD 3.5 transformer files: Black Forest Labs' and Stability's original layouts, diffusers' layout, fp8
+(plain and ComfyUI's scaled) and all-in-one files, each loaded with a diffusers folder of the same model as `config=`
+for the rest (GGUF: tests/test_gguf_files.py, on the same tiny model).
 
 A tiny FLUX.1-dev written by diffusers has its transformer converted to BFL's layout by the inverse of the published
 table (diffusers' `convert_flux_transformer_checkpoint_to_diffusers`, written out below) and saved as one
 .safetensors: our param tree equals the folder's bit for bit and our pictures equal diffusers' FluxPipeline's within
-1/255. The same tensors in fp8 load as their fp8 values widened; written with the `gguf` package as Q8_0 they load
-as int8 kernels holding Q8_0's values and block scales exactly, drawing within a PSNR bound of diffusers' pictures; written as
-Q4_K (blocks made here: gguf writes no K-quant), Q4_0, Q5_0, BF16, F16 and F32 they load as exactly gguf's
-dequantized values. A tiny SD 3.5 (QK-norm, dual attention) in Stability's MMDiT layout loads the folder's params
-exactly. Truncated files, a GGUF of another architecture and files of unknown layout are refused by name.
+1/255. The same tensors in fp8 load as their fp8 values widened, scaled fp8 as their products; an all-in-one file
+brings every weight itself. A tiny SD 3.5 (QK-norm, dual attention) in Stability's MMDiT layout loads the folder's
+params exactly. Truncated files and files of unknown or partial layout are refused by name, and so is a config of
+another family; offline without a config, the message names the Hub repo and config=.
 """
 
 from __future__ import annotations
 
 import shutil
 
-import gguf
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from flax import nnx
-from gguf import GGMLQuantizationType as Q
 from reference import CLIP_LAYOUTS, randomize
 from safetensors.numpy import save_file
 from t5_reference import save_tiny_t5_tokenizer, tiny_t5_encoder
@@ -50,8 +48,6 @@ TRANSFORMER = dict(
     axes_dims_rope=(4, 4, 8),
     guidance_embeds=True,
 )
-# PSNR (dB) of the Q8_0 file's pictures against diffusers' of the unquantized folder: measured 64.0 (max 0.76/255)
-Q8_PSNR_BOUND = 60.0
 
 
 def build_flux() -> FluxPipeline:
@@ -142,9 +138,8 @@ def numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    """The diffusers pipeline, its folder, and its transformer as BFL's single file."""
+def make_flux(tmp_path_factory) -> tuple:
+    """The diffusers pipeline, its folder, and its transformer as BFL's tensors and single file."""
     reference = build_flux()
     root = tmp_path_factory.mktemp("flux")
     folder = root / "folder"
@@ -153,6 +148,11 @@ def flux(tmp_path_factory):
     file = root / "flux1-dev.safetensors"
     save_file(bfl, str(file))
     return reference, folder, bfl, file
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    return make_flux(tmp_path_factory)
 
 
 def flat(params) -> dict[str, np.ndarray]:
@@ -212,140 +212,7 @@ def test_an_fp8_file_is_widened_at_load(flux, tmp_path):
     assert any(not np.array_equal(flat(got)[k], original[k]) for k in original)  # fp8 rounded them
 
 
-def write_gguf(path, tensors: dict[str, np.ndarray], types: dict[str, Q], architecture: str = "flux") -> dict:
-    """A GGUF as city96's converter writes one: general.architecture and the BFL names, each tensor of `types`
-    (raw Q4_K blocks where given as uint8). Returns each tensor's values as gguf dequantizes them (f32)."""
-    writer = gguf.GGUFWriter(str(path), arch=architecture)
-    values = {}
-    for name, array in tensors.items():
-        kind = types[name]
-        if kind in (Q.F32, Q.F16):
-            data = array.astype(np.float32 if kind == Q.F32 else np.float16)
-            writer.add_tensor(name, data)
-        else:
-            data = array if array.dtype == np.uint8 else gguf.quants.quantize(array.astype(np.float32), kind)
-            writer.add_tensor(name, data, raw_dtype=kind)
-        values[name] = gguf.quants.dequantize(data, kind).astype(np.float32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return values
-
-
-def q8_types(bfl: dict[str, np.ndarray]) -> dict[str, Q]:
-    """city96's Q8_0 file: 2-D weights whose rows are whole blocks of 32 as Q8_0, the rest (biases, norms) F32."""
-    return {k: Q.Q8_0 if v.ndim == 2 and v.shape[1] % 32 == 0 else Q.F32 for k, v in bfl.items()}
-
-
-def test_a_q8_0_gguf_keeps_its_int8_values_and_block_scales_exactly(flux, tmp_path):
-    _, folder, bfl, _ = flux
-    file = tmp_path / "flux1-dev-Q8_0.gguf"
-    values = write_gguf(file, bfl, q8_types(bfl))
-    dequantized = tmp_path / "q8-values.safetensors"  # the same values, unquantized: where each lands
-    save_file(values, str(dequantized))
-    got = load_model_folder(file, "float32", config=folder).params["transformer"]
-    want = flat(load_model_folder(dequantized, "float32", config=folder).params["transformer"])
-    int8 = {"/".join(map(str, p)) for p, v in nnx.to_flat_state(got) if isinstance(v.get_value(), Int8Kernel)}
-    # every linear kernel but the context embedder's (40 inputs: not whole blocks of 32, so F32 in the file)
-    linear = {name for name, v in want.items() if name.endswith("/kernel") and v.ndim == 2}
-    assert int8 == linear - {"context_embedder/kernel"}
-    for path, var in nnx.to_flat_state(got):
-        name, leaf = "/".join(map(str, path)), var.get_value()
-        if isinstance(leaf, Int8Kernel):  # int8 [in, out], one f32 scale per 32 inputs of each output
-            assert leaf.values.dtype == np.int8 and leaf.scale.shape == (
-                leaf.values.shape[0] // 32,
-                leaf.values.shape[1],
-            )
-            assert np.array_equal(np.asarray(leaf.dequantize()), want[name]), name
-        else:
-            assert np.array_equal(np.asarray(leaf), want[name]), name
-    bf16 = load_model_folder(file, "bfloat16", config=folder).params["transformer"]
-    kernel = bf16["x_embedder"]["kernel"].get_value()  # a bf16 run: each f16 scale rounded to bf16, and the
-    assert kernel.scale.dtype == ml_dtypes.bfloat16  # product too: twice bf16's unit roundoff (2^-8) at most
-    np.testing.assert_allclose(np.asarray(kernel.dequantize(), np.float32), want["x_embedder/kernel"], rtol=2**-7)
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    return float(10 * np.log10(1.0 / np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
-
-
-def q8_0_values(transformer: torch.nn.Module) -> torch.nn.Module:
-    """A copy of diffusers' transformer holding Q8_0's values: each weight whose rows are whole blocks quantized and
-    dequantized by gguf row by row (rows picked from a fused q/k/v projection are quantized as in it)."""
-    import copy
-
-    out = copy.deepcopy(transformer)
-    with torch.no_grad():
-        for p in out.parameters():
-            if p.ndim == 2 and p.shape[1] % 32 == 0:
-                blocks = gguf.quants.quantize(p.numpy(), Q.Q8_0)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q8_0)))
-    return out
-
-
-def test_a_q8_0_gguf_draws_as_diffusers_with_its_values(flux, tmp_path):
-    """Equal within 1/255 to diffusers running Q8_0's values; against the unquantized folder, the PSNR bound."""
-    reference, folder, bfl, _ = flux
-    file = tmp_path / "flux1-dev-Q8_0.gguf"
-    write_gguf(file, bfl, q8_types(bfl))
-    start = np.random.default_rng(0).standard_normal((2, 16, SIZE // 2, SIZE // 2)).astype(np.float32)
-    args = dict(num_inference_steps=STEPS, guidance_scale=GUIDANCE)
-    unquantized = run_reference(reference, start, SIZE, SIZE, **args)
-    q8_0 = FluxPipeline(**{**reference.components, "transformer": q8_0_values(reference.transformer)})
-    want = run_reference(q8_0, start, SIZE, SIZE, **args)
-    engine = load_pipeline(file, config=folder, safety_checker=False, previews=False)
-    try:
-        got = engine.generate(PROMPT, height=SIZE, width=SIZE, num_images=2, latents=start, **args).arrays
-    finally:
-        engine.close()
-    assert np.abs(got - want).max() < 1 / 255
-    measured = psnr(got, unquantized)
-    print(f"Q8_0 GGUF: PSNR {measured:.1f} dB, max error {np.abs(got - unquantized).max() * 255:.2f}/255")
-    assert measured > Q8_PSNR_BOUND
-    assert np.abs(got - unquantized).max() > 0  # quantized: not the same arrays by accident
-
-
-def q4_k_blocks(rows: int, columns: int, seed: int) -> np.ndarray:
-    """Random Q4_K super-blocks (256 values in 144 bytes: f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of
-    4-bit values) with small d and dmin, as raw bytes [rows, columns / 256 * 144]."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
-    blocks[:, :, 0:2] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
-    blocks[:, :, 2:4] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
-    return blocks.reshape(rows, -1)
-
-
-def test_k_quants_and_the_other_types_load_as_ggufs_own_dequantized_values(flux, tmp_path):
-    _, folder, bfl, _ = flux
-    tensors, types, cycle = dict(bfl), {}, [Q.Q4_0, Q.Q5_0, Q.BF16]
-    for n, (name, array) in enumerate(sorted(bfl.items())):
-        if array.ndim == 2 and array.shape[1] % 256 == 0:
-            tensors[name], types[name] = q4_k_blocks(array.shape[0], array.shape[1], n), Q.Q4_K
-        elif array.ndim == 2 and array.shape[1] % 32 == 0:
-            types[name] = cycle[n % 3]
-        else:
-            types[name] = Q.F16 if array.ndim == 1 else Q.F32
-    assert {Q.Q4_K, Q.Q4_0, Q.Q5_0, Q.BF16, Q.F16, Q.F32} <= set(types.values())
-    file = tmp_path / "flux1-dev-mixed.gguf"
-    values = write_gguf(file, tensors, types)
-    dequantized = tmp_path / "mixed-values.safetensors"
-    save_file(values, str(dequantized))
-    got = load_model_folder(file, "float32", config=folder).params["transformer"]
-    assert_same_params(got, load_model_folder(dequantized, "float32", config=folder).params["transformer"])
-
-
 # Refusals
-
-
-def test_a_gguf_of_an_architecture_not_served_is_refused_by_name(flux, tmp_path):
-    _, folder, bfl, _ = flux
-    file = tmp_path / "sdxl.gguf"
-    write_gguf(
-        file, {"input_blocks.0.0.weight": np.zeros((64, 32), np.float32)}, {"input_blocks.0.0.weight": Q.F32}, "sdxl"
-    )
-    with pytest.raises(SourceError, match=r"sdxl.gguf: a GGUF file of architecture 'sdxl'.*FLUX.1 \(flux\)"):
-        load_pipeline(file, config=folder, safety_checker=False)
 
 
 def test_truncated_files_are_refused_by_name(flux, tmp_path):
@@ -354,12 +221,6 @@ def test_truncated_files_are_refused_by_name(flux, tmp_path):
     cut.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     with pytest.raises(SourceError, match="cut.safetensors is not a safetensors file"):
         load_pipeline(cut, config=folder, safety_checker=False)
-    whole = tmp_path / "whole.gguf"
-    write_gguf(whole, bfl, q8_types(bfl))
-    cut_gguf = tmp_path / "cut.gguf"
-    cut_gguf.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
-    with pytest.raises(SourceError, match="cut.gguf: not a readable GGUF file"):
-        load_pipeline(cut_gguf, config=folder, safety_checker=False)
 
 
 def test_files_of_unknown_or_partial_layout_are_refused_with_what_they_hold(flux, tmp_path):
@@ -372,10 +233,6 @@ def test_files_of_unknown_or_partial_layout_are_refused_with_what_they_hold(flux
     save_file({"double_blocks.0.img_attn.norm.key_norm.scale": np.zeros(4, np.float32)}, str(partial))
     with pytest.raises(SourceError, match="not a whole FLUX.1 transformer: it lacks img_in.weight"):
         load_model_folder(partial, "float32", config=folder)
-    unknown = tmp_path / "unknown.gguf"
-    write_gguf(unknown, {"blocks.0.w": np.zeros((4, 32), np.float32)}, {"blocks.0.w": Q.F32})
-    with pytest.raises(SourceError, match="not a FLUX.1 .flux., Stable Diffusion 3 .sd3. transformer.*blocks.0"):
-        load_model_folder(unknown, "float32", config=folder)
     with pytest.raises(ConfigError, match="prediction_type= is for SD 2.x"):
         load_model_folder(partial, "float32", config=folder, prediction_type="epsilon")
 
@@ -493,6 +350,8 @@ def test_an_sd35_mmdit_file_loads_the_folders_weights_exactly(tmp_path_factory):
     from_file = load_model_folder(file, "float32", config=root / "folder")
     assert (from_file.family, from_file.label) == ("sd3", "Stable Diffusion 3")
     assert_same_params(from_file.params, load_model_folder(root / "folder", "float32").params)
+    from test_gguf_files import q8_types, write_gguf
+
     gguf_file = root / "sd3.5_medium-Q8_0.gguf"
     write_gguf(gguf_file, mmdit, q8_types(mmdit), architecture="sd3")
     quantized = load_model_folder(gguf_file, "float32", config=root / "folder").params["transformer"]

@@ -230,9 +230,12 @@ def _unscaled(tensors: dict[str, Any]) -> dict[str, Any]:
 
 def _int8(transformer: dict[str, Any], dtype: str) -> dict[str, Any]:
     """The linear weights a GGUF holds as Q8_0 as Int8Kernels in our layout ([in, out]), values and block scales as
-    the file has them (`Q8Tensor.kernel`), the scales in the run dtype."""
+    the file has them (`Q8Tensor.kernel`), the scales in the run dtype. One whose blocks cross its rows (reshaped to
+    be quantized) is widened instead, as its values."""
     scale_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    chosen = [k for k, v in transformer.items() if isinstance(v, Q8Tensor) and v.ndim == 2 and k.endswith(".weight")]
+    chosen = [
+        k for k, v in transformer.items() if isinstance(v, Q8Tensor) and v.rows_of_blocks and k.endswith(".weight")
+    ]
     return {**transformer, **{name: transformer[name].kernel(scale_dtype) for name in chosen}}
 
 

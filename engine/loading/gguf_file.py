@@ -60,8 +60,19 @@ class Q8Tensor:
     def reshape(self, shape: tuple[int, ...]) -> Q8Tensor:
         return Q8Tensor(self.blocks, shape)
 
+    @property
+    def rows_of_blocks(self) -> bool:
+        """Whether each row is whole blocks in the file's own rows: a weight [out, in] as Q8_0 stores it, not one
+        reshaped to quantize it (`comfy.gguf.orig_shape`), whose blocks may cross its rows."""
+        return (
+            self.ndim == 2
+            and self.blocks.ndim == 2
+            and self.blocks.shape == (self.shape[0], self.shape[1] // self.BLOCK * self.BYTES)
+            and self.shape[1] % self.BLOCK == 0
+        )
+
     def __getitem__(self, index) -> Q8Tensor | np.ndarray:
-        if self.ndim == 2 and self.blocks.ndim == 2 and isinstance(index, (slice, np.ndarray)):  # whole rows
+        if self.rows_of_blocks and isinstance(index, (slice, np.ndarray)):  # whole rows
             rows = self.blocks[index]
             return Q8Tensor(rows, (rows.shape[0], self.shape[1]))
         return self.values()[index]
