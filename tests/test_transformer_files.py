@@ -381,3 +381,26 @@ def test_a_scaled_fp8_file_loads_each_weight_times_its_scale(flux, tmp_path):
     save_file(products, str(widened))
     got = load_model_folder(file, "float32", config=folder).params["transformer"]
     assert_same_params(got, load_model_folder(widened, "float32", config=folder).params["transformer"])
+
+
+def test_without_config_the_family_repo_brings_all_but_the_transformers_weights(flux, monkeypatch):
+    """No config=: diffusers' repo for the kind (FLUX.1-dev: the file has a guidance embedder) is fetched without
+    its transformer's weights (here a stand-in Hub whose snapshot is the tiny folder)."""
+    import huggingface_hub
+
+    _, folder, _, file = flux
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        asked[repo_id] = allow_patterns
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id: files)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = load_model_folder(file, "float32")
+    (patterns,) = asked.values()
+    assert list(asked) == ["black-forest-labs/FLUX.1-dev"]
+    assert "transformer/config.json" in patterns and "vae/diffusion_pytorch_model.safetensors" in patterns
+    assert not any(p.startswith("transformer/") and p.endswith(".safetensors") for p in patterns)
+    assert_same_params(model.params, load_model_folder(folder, "float32").params)

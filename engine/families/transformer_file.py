@@ -126,7 +126,7 @@ def is_transformer_file(source: Any) -> bool:
     return _kind_of_keys(names) is not None
 
 
-def _hub_folder(repo_id: str, where: str) -> Path:
+def _hub_folder(repo_id: str, where: str, variant: str | None) -> Path:
     """A family's Hub repo without its transformer's weights: configs, tokenizers, scheduler, text encoders, VAE."""
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
@@ -139,9 +139,9 @@ def _hub_folder(repo_id: str, where: str) -> Path:
     files = hub_files_or_cache(repo_id, hint)
     if isinstance(files, Path):
         return files
-    wanted = [f for f in select_hub_files(files, "fp16") if not re.match(r"^transformer/.*\.safetensors", f)]
+    wanted = [f for f in select_hub_files(files, variant) if not re.match(r"^transformer/.*\.safetensors", f)]
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=wanted + ["transformer/config.json"]))
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=wanted))
     except (OSError, HfHubHTTPError) as err:
         raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
 
@@ -266,18 +266,20 @@ def open_transformer_file(source: str | Path, dtype: str, config: str | Path | N
         except WeightsError as err:
             raise SourceError(str(err)) from err
     transformer = _int8(transformer, dtype)
-    folder = _config_folder(kind, config, where, set(strip_prefix(raw)))
+    folder = _config_folder(kind, config, where, set(strip_prefix(raw)), dtype)
     return TransformerFile(path, kind, transformer, others, dataclasses.replace(folder, name=where))
 
 
-def _config_folder(kind: TransformerKind, config: str | Path | None, where: str, names: set[str]) -> ModelFolder:
+def _config_folder(
+    kind: TransformerKind, config: str | Path | None, where: str, names: set[str], dtype: str
+) -> ModelFolder:
     if config is not None and Path(config).expanduser().is_dir():
         folder = resolve(config)
     else:
         repo = str(config) if config is not None else kind.repo(names)
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
             raise ConfigError(f"config {repo!r} is neither a diffusers folder nor a Hub id like 'owner/name'")
-        root = _hub_folder(repo, where)
+        root = _hub_folder(repo, where, "fp16" if dtype in ("float16", "bfloat16") else None)
         index_path = root / "model_index.json"
         if not index_path.is_file():
             raise SourceError(f"{where}: {repo}'s cached copy has no model_index.json; name config=DIR instead")
