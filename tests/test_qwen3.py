@@ -5,6 +5,7 @@ embeddings as diffusers computes them; and int8 kernels and bf16 near f32."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -183,6 +184,23 @@ def test_the_chat_template_and_ids_equal_transformers(template_file, tmp_path):
         {"role": "user", "content": "a dog"},
     ]
     assert ours.render(chat) == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"chat_template": None}, "no chat template"),
+        ({"pad_token": "<|nothing|>"}, "names no pad_token"),
+        ({"padding_side": "left"}, "padding_side 'left'"),
+    ],
+)
+def test_a_tokenizer_folder_it_cannot_follow_is_refused(change, message, tmp_path):
+    save_tiny_qwen_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(change)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(ConfigError, match=message):
+        QwenTokenizer(tmp_path)
 
 
 def test_a_long_prompt_is_cut_with_a_warning(tokenizer_folder):
