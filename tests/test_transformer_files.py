@@ -383,12 +383,15 @@ def test_a_scaled_fp8_file_loads_each_weight_times_its_scale(flux, tmp_path):
     assert_same_params(got, load_model_folder(widened, "float32", config=folder).params["transformer"])
 
 
-def test_without_config_the_family_repo_brings_all_but_the_transformers_weights(flux, monkeypatch):
-    """No config=: diffusers' repo for the kind (FLUX.1-dev: the file has a guidance embedder) is fetched without
-    its transformer's weights (here a stand-in Hub whose snapshot is the tiny folder)."""
+@pytest.mark.parametrize("layout", ["bfl", "diffusers"])
+def test_without_config_the_family_repo_brings_all_but_the_transformers_weights(flux, monkeypatch, layout):
+    """No config=: diffusers' repo for the kind (FLUX.1-dev: the file has a guidance embedder, in either layout) is
+    fetched without its transformer's weights (here a stand-in Hub whose snapshot is the tiny folder)."""
     import huggingface_hub
 
     _, folder, _, file = flux
+    if layout == "diffusers":
+        file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     asked = {}
 

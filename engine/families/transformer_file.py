@@ -10,9 +10,9 @@ Large or Medium, SD 3 Medium, every file but the transformer's weights, download
 cached: a message that names `config=`).
 
 Weights: bf16, f16 and f32 as they are; fp8 (`float8_e4m3fn`, `float8_e5m2`) widened to the run dtype at load
-(ComfyUI's "scaled" fp8, each weight times its `scale_weight`: `ScaledFP8`);
-a GGUF's Q8_0 kernels kept as our int8 exactly (`loading.quantize.Int8Kernel` with Q8_0's block scales: see
-`loading.gguf_file`), its other quantized types dequantized to the run dtype.
+(ComfyUI's "scaled" fp8, each weight times its `scale_weight`: `ScaledFP8`); a GGUF's Q8_0 kernels kept as our int8
+exactly (`loading.quantize.Int8Kernel` with Q8_0's block scales: see `loading.gguf_file`), its other quantized types
+dequantized to the run dtype.
 """
 
 from __future__ import annotations
@@ -54,18 +54,18 @@ class TransformerKind:
     diffusers_marker: str  # a key of diffusers' layout that the other kind lacks
     plan: Callable[[Mapping[str, tuple[int, ...]]], Plan]
     text_encoders: Mapping[str, str]  # an all-in-one file's text encoder (under TEXT_PREFIX) -> our component
-    repo: Callable[[set[str]], str]  # diffusers' default Hub repo for a file of these (original) keys
+    repo: Callable[[set[str]], str]  # diffusers' default Hub repo for a file of these keys (either layout)
 
 
 def _flux_repo(names: set[str]) -> str:
-    dev = any(name.startswith("guidance_in.") for name in names)
+    dev = any(name.startswith(("guidance_in.", "time_text_embed.guidance_embedder.")) for name in names)
     return "black-forest-labs/FLUX.1-dev" if dev else "black-forest-labs/FLUX.1-schnell"
 
 
 def _sd3_repo(names: set[str]) -> str:
-    if "joint_blocks.37.x_block.mlp.fc1.weight" in names:
+    if any(name.startswith(("joint_blocks.37.", "transformer_blocks.37.")) for name in names):  # 38 blocks: Large
         return "stabilityai/stable-diffusion-3.5-large"
-    if any(".attn2." in name for name in names):
+    if any(".attn2." in name for name in names):  # dual attention: 3.5 Medium
         return "stabilityai/stable-diffusion-3.5-medium"
     return "stabilityai/stable-diffusion-3-medium-diffusers"
 

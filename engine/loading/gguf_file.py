@@ -108,11 +108,6 @@ def _orig_shape(reader, name: str) -> tuple[int, ...] | None:
     return tuple(int(found.parts[i][0]) for i in found.data)
 
 
-def read_architecture(path: Path) -> str:
-    """The file's `general.architecture`, or why it is not a GGUF file."""
-    return _open(path)[1]
-
-
 def _open(path: Path):
     import gguf
 
@@ -150,6 +145,8 @@ def read_gguf(path: Path, dtype) -> GGUFContents:
         elif kind == Q.BF16:
             array = data.view(np.uint16).view(ml_dtypes.bfloat16)
         elif kind == Q.Q8_0:
+            if data.size * Q8Tensor.BLOCK != int(np.prod(shape)) * Q8Tensor.BYTES:
+                raise SourceError(f"{path}: tensor {name}'s {data.size} bytes of Q8_0 do not hold its shape {shape}")
             array = Q8Tensor(data, shape)  # read when used, or kept as int8
         else:
             try:
@@ -157,7 +154,7 @@ def read_gguf(path: Path, dtype) -> GGUFContents:
             except NotImplementedError as err:
                 raise SourceError(f"{path}: tensor {name} is {kind.name}, which gguf cannot dequantize") from err
         if int(np.prod(array.shape)) != int(np.prod(shape)):
-            raise SourceError(f"{path}: tensor {name} holds {array.size} values, not its shape {shape}")
+            raise SourceError(f"{path}: tensor {name} holds {int(np.prod(array.shape))} values, not its shape {shape}")
         contents.tensors[name] = array.reshape(shape)
         contents.types[kind.name] = contents.types.get(kind.name, 0) + 1
     return contents
