@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import requests
 import tiny_pipeline
+import torch
 import webuiapi
 from _api_server import ServedApp
 from PIL import Image
@@ -253,8 +254,16 @@ def test_sillytavern_switches_as_its_stable_diffusion_endpoint_does(server, alon
     same(decoded(answer["images"][0]), alone["file" if target.startswith("tiny-file") else "folder"])
 
 
-def test_an_unknown_or_broken_model_is_refused_by_name_and_the_next_is_served(server, alone):
+def test_an_unknown_or_broken_model_is_refused_by_name_and_the_next_is_served(server, models, alone):
+    root, _ = models
     a1111 = f"{server}/sdapi/v1"
+    # A whole safetensors of no checkpoint layout: listed after a rescan, refused when it is loaded, then unlisted.
+    save_file({"not.a.model": torch.zeros(2)}, root / "Stable-diffusion" / "odd.safetensors")
+    requests.post(f"{a1111}/refresh-checkpoints").raise_for_status()
+    assert "odd" in [m["model_name"] for m in requests.get(f"{a1111}/sd-models").json()]
+    odd = requests.post(f"{a1111}/txt2img", json=dict(prompt=PROMPT, override_settings={"sd_model_checkpoint": "odd"}))
+    assert odd.status_code == 422 and "model 'odd.safetensors' cannot be used" in odd.text and "/tmp" not in odd.text
+    assert "odd" not in [m["model_name"] for m in requests.get(f"{a1111}/sd-models").json()]
     refused = requests.post(f"{a1111}/options", json={"sd_model_checkpoint": "nope"})
     assert (
         refused.status_code == 422
@@ -266,3 +275,17 @@ def test_an_unknown_or_broken_model_is_refused_by_name_and_the_next_is_served(se
     assert "/tmp" not in broken.text
     body["override_settings"] = {"sd_model_checkpoint": "tiny-folder"}
     same(decoded(requests.post(f"{a1111}/txt2img", json=body, timeout=600).json()["images"][0]), alone["folder"])
+
+
+def test_the_pages_model_menu_sets_the_servers_default(pool):
+    demo = web.build_app(pool).state.demo
+    menu = next(c for c in demo.config["components"] if c["props"].get("elem_id") == "checkpoint")
+    assert [choice[0] for choice in menu["props"]["choices"]] == pool.models.titles()
+    change = next(fn for fn in demo.fns.values() if [block._id for block in fn.inputs] == [menu["id"]])
+    before = pool.models.default
+    other = next(title for title in pool.models.titles() if title != before)
+    try:
+        change.fn(other)
+        assert pool.models.default == other
+    finally:
+        pool.models.set_default(before)

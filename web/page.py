@@ -334,6 +334,21 @@ def create_demo(
     with gr.Blocks(title="jax-sd", analytics_enabled=False, delete_cache=sweep) as demo:
         gr.Markdown("# jax-sd\nStable Diffusion in JAX: text to image, image to image, inpainting.")
         gr.Markdown(handlers.model_summary(pipe), elem_id="model")
+        served = getattr(pipe, "models", None)  # a server of several models (--models): A1111's checkpoint menu
+        if served is not None and len(served.titles()) > 1:
+            checkpoint = gr.Dropdown(
+                served.titles(),
+                value=served.default,
+                label="Model: the server's default, for every caller (as A1111's checkpoint menu)",
+                elem_id="checkpoint",
+            )
+            checkpoint.change(
+                lambda name: served.set_default(name) and None,
+                [checkpoint],
+                None,
+                api_visibility="private",
+                queue=False,
+            )
         status = gr.Markdown(handlers.status_line(pipe), elem_id="status")
         with gr.Row():
             with gr.Column(scale=2):

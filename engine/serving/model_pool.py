@@ -93,7 +93,8 @@ class ModelPool:
         self._loras = FolderLoRAs(folder)  # the folder's LoRAs, added to each engine at their first call
         self._cond = threading.Condition()
         self._upscaling = threading.Lock()
-        self._warmup_images: int | None = None
+        self._closed = False
+        self._threads: list[threading.Thread] = []
         self.models = ServedModels(self)
         self.default = (folder.match(default) if default else folder.usable()[0]).title
         self.loads = 0  # models loaded so far (the first included): a switch's cost, for tests and logs
@@ -144,7 +145,6 @@ class ModelPool:
 
     def start_warmup(self, num_images: int | None = None) -> ModelPool:
         """Loads the default model (if it is not) and warms its engine up, as `Engine.start_warmup`."""
-        self._warmup_images = num_images
         self.load(self.default).start_warmup(num_images)
         return self
 
@@ -173,9 +173,7 @@ class ModelPool:
             inner.subscribe(lambda event: self._finished(title) if isinstance(event, Finished | Failed) else None)
             return inner
         ticket = Ticket(request, [], caller)
-        threading.Thread(
-            target=_run_when_loaded, args=(self, checkpoint, request, ticket), name="jax-sd-model", daemon=True
-        ).start()
+        self._start(_run_when_loaded, self, checkpoint, request, ticket)
         return ticket
 
     def generate(self, prompt: str, progress: Callable[[int, int], None] | None = None, **fields) -> GenerationResult:
@@ -200,7 +198,22 @@ class ModelPool:
         self._finished(checkpoint.title)
         return engine
 
+    def _start(self, target: Callable, *args) -> None:
+        """Runs `target(*args)` on a thread of the pool's own, which `close` waits for."""
+        thread = threading.Thread(target=target, args=args, name="jax-sd-model", daemon=True)
+        with self._cond:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
     def close(self) -> None:
+        """Waits for the loads under way (nothing of a closed pool runs on into the process's exit), then closes
+        every engine."""
+        with self._cond:
+            self._closed = True  # requests still waiting for a model are stopped
+            threads = list(self._threads)
+            self._cond.notify_all()
+        for thread in threads:
+            thread.join(timeout=300)
         with self._cond:
             engines = list(self._engines.values())
             self._engines.clear()
@@ -244,7 +257,7 @@ class ModelPool:
             self._waiting[title] += 1
             try:
                 while True:
-                    if cancelled():
+                    if cancelled() or self._closed:
                         raise Cancelled("stopped before it finished")
                     current = self.folder.checkpoints.get(title)
                     if current is None or current.problem:
@@ -368,7 +381,7 @@ class ServedModels:
         loading starts in the background. Returns its title."""
         title = self.match(name)
         self._pool.default = title
-        threading.Thread(target=self._preload, args=(title,), name="jax-sd-model", daemon=True).start()
+        self._pool._start(self._preload, title)
         return title
 
     def _preload(self, title: str) -> None:
