@@ -289,3 +289,23 @@ def test_the_pages_model_menu_sets_the_servers_default(pool):
         assert pool.models.default == other
     finally:
         pool.models.set_default(before)
+
+
+def test_the_command_line_serves_a_models_folder(monkeypatch, models, pool):
+    import app
+
+    root, _ = models
+    seen = {}
+    monkeypatch.setattr(pool, "start_warmup", lambda num_images: seen.setdefault("warmup", num_images))
+    monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: None)
+    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None: None)
+    monkeypatch.setattr(
+        app.engine, "load_models", lambda folder, **options: seen.update(options, folder=folder) or pool
+    )
+    monkeypatch.setattr(app.web, "build_app", lambda engine, **options: seen.setdefault("served", engine))
+    monkeypatch.setattr(app.web, "serve", lambda web_app, **kwargs: None)
+    app.main(["--models", str(root), "--model", "tiny-folder", "--max-loaded-models", "2", "--dtype", "float32"])
+    assert seen["folder"] == str(root) and seen["default"] == "tiny-folder" and seen["max_loaded"] == 2
+    assert seen["served"] is pool and seen["warmup"] == len(pool.devices) and seen["dtype"] == "float32"
+    with pytest.raises(SystemExit):  # a LoRA comes from the folder's Lora/, called from the prompt
+        app.main(["--models", str(root), "--lora", "style=style.safetensors"])
