@@ -19,6 +19,9 @@ from PIL import Image
 from .errors import InvalidRequest
 
 SEED_LIMIT = 2**32  # seeds are uint32, as PRNGKey takes them
+# A1111's img2img resize modes and inpainting starts ("Masked content"), by their numbers (sampling/inpaint.py)
+RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill", 3: "just resize (latent upscale)"}
+FILLS = {0: "fill", 1: "original", 2: "latent noise", 3: "latent nothing"}
 HIRES_STRENGTH = 0.7  # A1111's denoising strength for hires fix's second pass when a request gives none
 
 
@@ -63,6 +66,21 @@ class GenerationRequest:
     hires_height: int | None = None
     hires_upscaler: str = "Latent"
     hires_steps: int = 0
+    # The second pass's own sampler, prompts and strength (None: the first pass's; the strength: `strength`, 0.7).
+    hires_scheduler: str | None = None
+    hires_prompt: str | None = None
+    hires_negative_prompt: str | None = None
+    hires_strength: float | None = None
+    # A1111's image to image (sampling/inpaint.py): a picture of another size resized by `resize_mode` (0 just
+    # resize, 1 crop and resize, 2 resize and fill, 3 as 0); the mask blurred by `mask_blur` and the picture laid back
+    # over the drawing through it (None: neither); `inpaint_full_res`: only the mask's box (grown by the padding)
+    # drawn at the request's size and pasted back; `inpainting_fill`: the masked part starts from the colours around
+    # it (0), the picture (1), latent noise (2) or latent zeros (3).
+    resize_mode: int = 0
+    mask_blur: int | None = None
+    inpaint_full_res: bool = False
+    inpaint_full_res_padding: int = 32
+    inpainting_fill: int = 1
     # Start from these scaled latents, [n, h/8, w/8, c] (image to image without encoding a picture: hires fix's
     # second pass after a latent upscaler); and hand the final latents back in the result (its first pass).
     image_latents: np.ndarray | None = field(default=None, compare=False, repr=False)
@@ -92,6 +110,17 @@ class GenerationRequest:
         if self.hires_height:
             return _round8(self.hires_height * w / h), int(self.hires_height)
         return _round8(w * self.hires_scale), _round8(h * self.hires_scale)
+
+    def hires_cover(self) -> tuple[int, int]:
+        """The size the first pass is upscaled to: `hires_size()`, but with both sides given the size at the first
+        pass's aspect that covers them (A1111's `calculate_target_resolution`), which is then cut to them in the
+        middle (serving/hires.py)."""
+        if not (self.hires_width and self.hires_height):
+            return self.hires_size()
+        w, h, tw, th = int(self.width), int(self.height), int(self.hires_width), int(self.hires_height)
+        if w / h < tw / th:
+            return tw, tw * h // w
+        return th * w // h, th
 
     @property
     def controlled(self) -> bool:
@@ -158,6 +187,8 @@ class Limits:
     max_token_merging: float = 0.0  # the largest token merging ratio; 0: the model's denoiser has no UNet levels
     hires_scale_range: tuple[float, float] = (1.0, 4.0)  # hires fix's upscale factor, when on
     upscalers: tuple[str, ...] = ()  # hires fix's upscalers: the latent ones, then the pictures' (Lanczos, ...)
+    max_mask_blur: int = 64  # the mask's blur, a Gaussian's sigma in pixels (A1111's slider ends there too)
+    max_inpaint_padding: int = 256  # "only masked": pixels around the mask's box
 
     @property
     def min_side(self) -> int:
@@ -178,6 +209,8 @@ class Limits:
             fill["width"], fill["height"] = self.image_size(request.image)
         if request.strength is None and (request.image is not None or request.image_latents is not None):
             fill["strength"] = defaults.get("strength", 0.8)
+        elif request.hires and request.hires_strength is not None:  # the second pass's own wins
+            fill["strength"] = request.hires_strength
         elif request.strength is None and request.hires:
             fill["strength"] = HIRES_STRENGTH
         request = dataclasses.replace(request, **fill) if fill else request
@@ -236,7 +269,9 @@ class Limits:
         self._check_deep_cache(r)
         self._check_token_merging(r)
         self._check_adapters(r)
+        _check_hires_options(self, r)  # before the images': hires_strength has become the strength
         self._check_images(r)
+        _check_picture_options(self, r)
         self._check_hires(r)
 
     def _check_size(self, r: GenerationRequest) -> None:
@@ -374,6 +409,45 @@ class Limits:
                 f"{what} is too long: {tokens} tokens need {chunks} chunks of 75; at most {self.max_chunks} chunks "
                 f"({75 * self.max_chunks} tokens) are served, so shorten it or remove a BREAK"
             )
+
+
+def _check_picture_options(limits: Limits, r: GenerationRequest) -> None:
+    """A1111's image-to-image options: checked with or without a picture (clients send them on every call)."""
+    if not _whole(r.resize_mode) or r.resize_mode not in RESIZE_MODES:
+        modes = ", ".join(f"{k} ({name})" for k, name in RESIZE_MODES.items())
+        raise InvalidRequest(f"resize_mode must be one of {modes}, got {r.resize_mode!r}")
+    if r.mask_blur is not None and (not _whole(r.mask_blur) or not 0 <= r.mask_blur <= limits.max_mask_blur):
+        raise InvalidRequest(
+            f"mask_blur must be a whole number of pixels from 0 to {limits.max_mask_blur}, got {r.mask_blur!r}"
+        )
+    if not isinstance(r.inpaint_full_res, (bool, np.bool_)):
+        raise InvalidRequest(f"inpaint_full_res must be true or false, got {r.inpaint_full_res!r}")
+    padding = r.inpaint_full_res_padding
+    if not _whole(padding) or not 0 <= padding <= limits.max_inpaint_padding:
+        raise InvalidRequest(
+            f"inpaint_full_res_padding must be a whole number of pixels from 0 to {limits.max_inpaint_padding}, "
+            f"got {padding!r}"
+        )
+    if not _whole(r.inpainting_fill) or r.inpainting_fill not in FILLS:
+        fills = ", ".join(f"{k} ({name})" for k, name in FILLS.items())
+        raise InvalidRequest(f"inpainting_fill must be one of {fills}, got {r.inpainting_fill!r}")
+
+
+def _check_hires_options(limits: Limits, r: GenerationRequest) -> None:
+    """The second pass's own sampler, prompts and strength."""
+    if r.hires_scheduler is not None and r.hires_scheduler not in limits.schedulers:
+        raise InvalidRequest(
+            f"unknown hires_scheduler {r.hires_scheduler!r}; choose one of {', '.join(limits.schedulers)} "
+            "(or none: the first pass's)"
+        )
+    for name, text in (("hires_prompt", r.hires_prompt), ("hires_negative_prompt", r.hires_negative_prompt)):
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequest(f"{name} must be text")
+        if text is not None and len(text) > limits.max_prompt_chars:
+            raise InvalidRequest(f"{name} is too long ({len(text)} characters; at most {limits.max_prompt_chars})")
+    s = r.hires_strength
+    if s is not None and (not _number(s) or not math.isfinite(s) or not 0 < s <= 1):
+        raise InvalidRequest(f"hires_strength must be a number above 0 and at most 1, got {s!r}")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 # The page's sections: above the fold, the "Advanced", "Hires fix", picture modes' and adapters' accordions.
 SECTIONS = ("basic", "advanced", "hires", "picture", "adapters")
-REMEMBERED = ("basic", "advanced")  # a history entry, a live drawing and a dropped picture's recipe hold these
+REMEMBERED = ("basic", "advanced", "hires")  # a history entry, a live drawing and a dropped picture's recipe hold these
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,12 @@ class OnPage:
     """Where a field sits on the page and how it is set there."""
 
     section: str  # one of SECTIONS
-    control: str  # "slider", "dropdown" (choices from the range's Limits attribute), or the page's own widget
+    control: str  # "slider", "dropdown" (choices from the range's Limits attribute), "checkbox", or the page's own
     label: str
     step: float | None = None
     name: str | None = None  # the page's (and `/generate`'s) name for it, where it is not the field's own
     minimum: float | None = None  # the slider's low end, where the range's own is open ("above 0")
+    value: Any = None  # the control's starting value, where it is not the field's default (mask blur 4, as A1111's)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class RequestField:
     page: OnPage | None = None
     a1111: str | None = None  # the name in A1111's txt2img / img2img body
     a1111_setting: str | None = None  # the name in A1111's `override_settings` (it wins over the body's)
+    a1111_default: Any = None  # A1111's value where its body leaves the field out, when it is not ours (mask_blur 4)
     png: str | None = None  # the key in PNG parameters (A1111's infotext)
     png_by_scheduler: tuple[tuple[str, str], ...] = ()  # (scheduler, key) where A1111 writes another key for one
     openai: str | None = None  # the name in OpenAI's body, as an extra field
@@ -298,6 +300,113 @@ FIELDS: tuple[RequestField, ...] = (
         a1111="hr_second_pass_steps",
         png="Hires steps",
         openai="hires_steps",
+    ),
+    RequestField(
+        "hires_scheduler",
+        str,
+        None,
+        "hires fix: the second pass's sampler (as scheduler); none: the first pass's.",
+        range="schedulers",
+        title="Hires sampler",
+        openai="hires_scheduler",  # A1111's hr_sampler_name is read with its sampler names (web/names.py)
+    ),
+    RequestField(
+        "hires_prompt",
+        str,
+        None,
+        "hires fix: the second pass's prompt; none: the first pass's.",
+        title="Hires prompt",
+        a1111="hr_prompt",
+        png="Hires prompt",
+        openai="hires_prompt",
+    ),
+    RequestField(
+        "hires_negative_prompt",
+        str,
+        None,
+        "hires fix: the second pass's negative prompt; none: the first pass's.",
+        title="Hires negative prompt",
+        a1111="hr_negative_prompt",
+        png="Hires negative prompt",
+        openai="hires_negative_prompt",
+    ),
+    RequestField(
+        "hires_strength",
+        float,
+        None,
+        "hires fix: how much the second pass redraws, above 0 and at most 1; none: strength's, else 0.7.",
+        range=(0.0, 1.0),
+        title="Hires denoising strength",
+        page=OnPage("hires", "slider", "Denoising strength", step=0.05, minimum=0.05),
+        openai="hires_strength",  # A1111 sends txt2img's denoising_strength (strength)
+    ),
+    RequestField(
+        "resize_mode",
+        int,
+        0,
+        "a picture of another size than the request's: 0 just resize, 1 crop and resize (cover, the middle kept), "
+        "2 resize and fill (fit, the edges stretched over the rest), 3 just resize (A1111 resizes the latents).",
+        range=(0, 3),
+        title="Resize mode",
+        a1111="resize_mode",
+        openai="resize_mode",
+        needs_image=True,
+    ),
+    RequestField(
+        "mask_blur",
+        int,
+        None,
+        "inpainting: blur the mask's edge by this many pixels (a Gaussian's sigma) and lay the picture back over "
+        "the drawing through it, as A1111 does; none: the drawing as the model makes it.",
+        range=(0, "max_mask_blur"),
+        title="Mask blur",
+        page=OnPage("picture", "slider", "Mask blur (pixels; 0: a sharp edge)", step=1, minimum=0, value=4),
+        a1111="mask_blur",
+        a1111_default=4,
+        png="Mask blur",
+        openai="mask_blur",
+        needs_image=True,
+        written=lambda sigma: sigma is not None and sigma > 0,  # A1111 writes it only when it blurs
+    ),
+    RequestField(
+        "inpaint_full_res",
+        bool,
+        False,
+        "inpainting: draw only the masked area (its box and the padding, at the request's size), then paste it "
+        "back into the whole picture (A1111's 'Only masked').",
+        title="Only masked",
+        page=OnPage("picture", "checkbox", "Only masked: draw the masked area at the full size, paste it back"),
+        a1111="inpaint_full_res",
+        a1111_default=True,
+        openai="inpaint_full_res",
+        needs_image=True,
+    ),
+    RequestField(
+        "inpaint_full_res_padding",
+        int,
+        32,
+        "with inpaint_full_res: pixels around the mask's box drawn with it.",
+        range=(0, "max_inpaint_padding"),
+        title="Only masked padding",
+        page=OnPage("picture", "slider", "Only masked padding (pixels)", step=4),
+        a1111="inpaint_full_res_padding",
+        a1111_default=0,
+        openai="inpaint_full_res_padding",
+        needs_image=True,
+    ),
+    RequestField(
+        "inpainting_fill",
+        int,
+        1,
+        "inpainting: what the masked area starts from: 0 the colours around it blurred in, 1 the picture, "
+        "2 latent noise, 3 latent zeros (A1111's 'Masked content').",
+        range=(0, 3),
+        title="Masked content",
+        page=OnPage("picture", "slider", "Masked content: 0 fill, 1 original, 2 latent noise, 3 latent nothing", 1),
+        a1111="inpainting_fill",
+        a1111_default=0,
+        openai="inpainting_fill",
+        needs_image=True,
     ),
     RequestField(
         "control_image",

@@ -353,7 +353,8 @@ def test_a_seed_draws_through_webuiapi_the_pictures_the_engine_draws(served):
     painted = api.img2img(
         images=[start], mask_image=mask, prompt="a purple star", seed=13, steps=4, cfg_scale=7, width=64, height=64
     )
-    same = direct(pipe, prompt="a purple star", seed=13, image=start, mask_image=mask, strength=0.75)[0]
+    a1111 = dict(mask_blur=4, inpaint_full_res=True, inpaint_full_res_padding=0, inpainting_fill=0)  # webuiapi's
+    same = direct(pipe, prompt="a purple star", seed=13, image=start, mask_image=mask, strength=0.75, **a1111)[0]
     assert max_pixel_difference(painted.image, same) <= 1
 
 

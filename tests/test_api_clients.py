@@ -1,21 +1,24 @@
-"""What image clients send beyond the basics, at A1111's and OpenAI's doors: A1111's `/png-info`, `/skip`, `eta` and
-img2img's `resize_mode`; OpenAI's `/v1/models`, `output_format`, `quality`, `style` and `background`; and a size
-not offered, however large, refused with the sizes that are. Over a stand-in engine (tests/_api_server.py)."""
+"""What image clients send beyond the basics, at A1111's and OpenAI's doors: A1111's `/png-info`, `/skip`, `eta`,
+img2img's `resize_mode` and inpainting options, the hires fix's second pass's own (webuiapi's calls); OpenAI's
+`/v1/models`, `output_format`, `quality`, `style` and `background`; and a size not offered, however large, refused
+with the sizes that are. Over a stand-in engine (tests/_api_server.py)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 
 import openai
 import pytest
+import webuiapi
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from engine.compat.pnginfo import png_info
+from engine.sampling.inpaint import resize_picture
 from tests._api_server import FakeEngine, ServedApp, b64png, decode_png, fake_app
-from web.a1111 import resized
 
 BODY = {"prompt": "a red circle", "seed": 5, "steps": 3, "width": 64, "height": 64}
 OFFERED = "64x64, 88x64"
@@ -65,25 +68,79 @@ def halves(size=(128, 64)) -> Image.Image:
 
 def test_resize_mode_just_resizes_crops_or_fills_as_a1111_does():
     picture = halves()
-    squashed, cropped, filled = (resized(picture, (64, 64), mode) for mode in (0, 1, 2))
+    squashed, cropped, filled = (resize_picture(picture, 64, 64, mode) for mode in (0, 1, 2))
     assert squashed.size == cropped.size == filled.size == (64, 64)
     assert squashed.getpixel((2, 32)) == (0, 0, 0)  # the black quarter, squashed to 16 columns
     assert cropped.getpixel((2, 32)) == (255, 255, 255)  # the middle 64 columns: white
     assert filled.getpixel((2, 32)) == (0, 0, 0) and filled.getpixel((40, 2)) == (255, 255, 255)  # bands stretched
-    assert resized(picture, None, 1) is picture  # no size asked for: the picture as it is
 
 
-def test_img2img_resizes_its_picture_and_mask_by_resize_mode(fake):
+def test_img2img_hands_its_picture_resize_mode_and_inpainting_options_to_the_engine(fake):
+    """The engine resizes and prepares (engine/sampling/inpaint.py); a body without the inpainting options gets
+    A1111's own defaults (mask blur 4, only masked, no padding, fill), not the engine's."""
     pipe, client = fake
     mask = Image.new("L", (128, 64), 0)
     mask.paste(255, (0, 0, 32, 64))
     body = {**BODY, "init_images": [b64png(halves())], "mask": b64png(mask), "resize_mode": 1}
     assert client.post("/sdapi/v1/img2img", json=body).status_code == 200
     request = pipe.calls[-1]
-    assert request.image.size == request.mask_image.size == (64, 64)
-    assert request.image.getpixel((2, 32)) == (255, 255, 255) and request.mask_image.getpixel((2, 32)) == 0
-    answer = client.post("/sdapi/v1/img2img", json={**body, "resize_mode": 7})
-    assert answer.status_code == 422 and "resize_mode must be one of 0 (just resize)" in answer.json()["detail"]
+    assert request.image.size == request.mask_image.size == (128, 64) and request.resize_mode == 1
+    assert (request.mask_blur, request.inpaint_full_res, request.inpaint_full_res_padding) == (4, True, 0)
+    assert request.inpainting_fill == 0
+    given = {"mask_blur": 9, "inpaint_full_res": False, "inpaint_full_res_padding": 40, "inpainting_fill": 2}
+    assert client.post("/sdapi/v1/img2img", json={**body, **given}).status_code == 200
+    request = pipe.calls[-1]
+    assert (request.mask_blur, request.inpaint_full_res, request.inpaint_full_res_padding) == (9, False, 40)
+    assert request.inpainting_fill == 2
+    assert client.post("/sdapi/v1/txt2img", json=BODY).status_code == 200
+    assert pipe.calls[-1].mask_blur is None  # txt2img's body has no such field: the engine's own default
+    for change, message in (
+        ({"resize_mode": 7}, "resize_mode must be one of 0 (just resize)"),
+        ({"mask_blur": 65}, "mask_blur must be a whole number of pixels from 0 to 64"),
+        ({"inpaint_full_res_padding": -1}, "inpaint_full_res_padding must be a whole number of pixels from 0 to 256"),
+        ({"inpainting_fill": 4}, "inpainting_fill must be one of 0 (fill), 1 (original), 2 (latent noise)"),
+    ):
+        answer = client.post("/sdapi/v1/img2img", json={**body, **change})
+        assert answer.status_code == 422 and message in answer.json()["detail"]
+
+
+def test_webuiapi_img2img_and_hires_txt2img_bring_their_options_to_the_request():
+    """webuiapi sends A1111's inpainting options and the hires fix's second pass's own on every call."""
+    pipe = FakeEngine()
+    pipe.limits = dataclasses.replace(pipe.limits, upscalers=("Latent", "Lanczos"))
+    mask = Image.new("L", (128, 64), 0)
+    mask.paste(255, (8, 8, 40, 40))
+    with ServedApp(fake_app(pipe)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        api = webuiapi.WebUIApi(host=host, port=int(port))
+        api.img2img(images=[halves()], mask_image=mask, width=64, height=64, steps=4, resize_mode=2, mask_blur=7)
+        r = pipe.calls[-1]
+        assert (r.resize_mode, r.mask_blur, r.inpaint_full_res, r.inpaint_full_res_padding) == (2, 7, True, 0)
+        assert r.inpainting_fill == 0 and r.mask_image.size == r.image.size == (128, 64)  # webuiapi's defaults
+        api.img2img(
+            images=[halves()], mask_image=mask, width=64, height=64, steps=4, inpaint_full_res=False, inpainting_fill=3
+        )
+        assert (pipe.calls[-1].inpaint_full_res, pipe.calls[-1].inpainting_fill) == (False, 3)
+        api.txt2img(
+            prompt="a red circle",
+            width=64,
+            height=64,
+            steps=4,
+            enable_hr=True,
+            hr_resize_x=88,
+            hr_resize_y=64,
+            hr_sampler_name="Euler a",
+            hr_prompt="a blue square",
+            denoising_strength=0.4,
+        )
+        r = pipe.calls[-1]
+        assert (r.hires_width, r.hires_height, r.hires_scheduler, r.hires_prompt) == (
+            88,
+            64,
+            "euler_a",
+            "a blue square",
+        )
+        assert r.hires_negative_prompt is None and r.strength == 0.4  # "": the first pass's, as A1111 reads it
 
 
 def test_a_size_not_offered_however_large_is_refused_with_the_offered_sizes(fake):

@@ -156,9 +156,18 @@ def test_the_unet_speed_ups_show_only_where_the_model_has_unet_levels(unet, labe
         assert slider["maximum"] == most
 
 
-def test_a_history_entry_saved_before_the_speed_ups_restores_them_off():
-    old = dict(zip(handlers.FORM_FIELDS[:-2], ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1], strict=True))
-    assert handlers.restore([old], 0) == ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 0, 0.0, False]
+def test_a_history_entry_saved_before_the_speed_ups_and_hires_fix_restores_them_off():
+    old = dict(zip(handlers.FORM_FIELDS[:8], ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1], strict=True))
+    assert handlers.FORM_FIELDS[8:] == (
+        "deep_cache",
+        "token_merging",
+        "hires_scale",
+        "hires_upscaler",
+        "hires_steps",
+        "hires_strength",
+    )
+    off = [0, 0.0, 0.0, "Latent", 0, None]  # hires_scale 0: no second pass (its strength: none, 0.7)
+    assert handlers.restore([old], 0) == ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, *off, False]
 
 
 @pytest.mark.parametrize(
@@ -465,10 +474,11 @@ def test_one_picture_per_device_each_captioned_with_its_device(tmp_path):
 def test_history_remembers_settings_and_a_thumbnail_and_restores_them(tmp_path):
     picture = tmp_path / "p.png"
     Image.new("RGB", (64, 64), "red").save(picture)
-    form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 2, 0.5]
+    form = ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1, 2, 0.5, 1.5, "Lanczos", 3, 0.45]  # hires fix's too
     kept = handlers.thumbnail(str(picture))  # the server's own result, never a picture the client names
     history, shown = handlers.remember([], kept, *form)
-    history, shown = handlers.remember(history, kept, "a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0, 0.0)
+    other = ["a dog", "", 8, 4, 7.5, "ddim", "64x64", 1, 0, 0.0, 0.0, "Latent", 0, 0.7]
+    history, shown = handlers.remember(history, kept, *other)
     assert [entry["prompt"] for entry in history] == ["a dog", "a cat"] and len(shown) == 2
     assert shown[1][0].size == (64, 64) and shown[1][1] == "seed 7"
     selected = gr.SelectData(None, {"index": 1, "value": None})

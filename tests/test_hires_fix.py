@@ -19,11 +19,13 @@ import pytest
 import tiny_pipeline
 import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionImg2ImgPipeline
+from PIL import Image
 
 import engine
 from engine import InvalidRequest, load_pipeline
 from engine.sampling.hires import LATENT_UPSCALERS, upscale_latents
 from engine.sampling.pipeline import initial_latents
+from engine.serving.hires import first_pass, second_passes
 
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"
 ARGS = dict(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=6.0, num_inference_steps=4, scheduler="euler")
@@ -123,3 +125,114 @@ def test_hires_fix_is_refused_by_name_where_it_cannot_run(sd1):
         limits.resolve(engine.GenerationRequest(PROMPT, hires_scale=2.0, width=64, height=64), ours.defaults)
     with pytest.raises(InvalidRequest, match="hires fix follows text to image only"):
         ours.submit(engine.GenerationRequest(PROMPT, hires_scale=2.0, image_latents=np.zeros((1, 8, 8, 4))))
+
+
+def a1111_cut(latents: torch.Tensor, width: int, height: int, target_w: int, target_h: int) -> torch.Tensor:
+    """A1111's hires fix with hr_resize_x and hr_resize_y both given (`calculate_target_resolution`, then the cut
+    in `sample_hr_pass`), on NCHW latents of a width x height first pass, with the `Latent` upscaler."""
+    if width / height < target_w / target_h:
+        upscale_to_x, upscale_to_y = target_w, target_w * height // width
+    else:
+        upscale_to_x, upscale_to_y = target_h * width // height, target_h
+    truncate_x, truncate_y = (upscale_to_x - target_w) // 8, (upscale_to_y - target_h) // 8
+    samples = torch.nn.functional.interpolate(latents, size=(upscale_to_y // 8, upscale_to_x // 8), mode="bilinear")
+    return samples[
+        :,
+        :,
+        truncate_y // 2 : samples.shape[2] - (truncate_y + 1) // 2,
+        truncate_x // 2 : samples.shape[3] - (truncate_x + 1) // 2,
+    ]
+
+
+def first_result(width: int, height: int, seeds: list[int]) -> engine.GenerationResult:
+    latents = np.random.default_rng(5).standard_normal((len(seeds), height // 8, width // 8, 4)).astype(np.float32)
+    pictures = [Image.fromarray(np.full((height, width, 3), 40 * k, np.uint8)) for k in range(len(seeds))]
+    timings = dict.fromkeys(("queue_s", "compile_s", "run_s", "total_s"), 0.0)
+    return engine.GenerationResult(pictures, seeds, ["cpu:0"] * len(seeds), timings, False, latents=latents)
+
+
+@pytest.mark.parametrize(("size", "target"), [((64, 48), (96, 96)), ((64, 40), (72, 64)), ((48, 64), (88, 72))])
+def test_both_hires_sides_cover_then_cut_as_a1111(size, target):
+    width, height = size
+    r = engine.GenerationRequest(
+        **ARGS,
+        width=width,
+        height=height,
+        num_images=2,
+        seed=3,
+        strength=0.5,
+        hires_width=target[0],
+        hires_height=target[1],
+    )
+    first = first_result(width, height, [3, 4])
+    passes = second_passes(r, first, upscale=None)
+    want = a1111_cut(torch.from_numpy(first.latents).permute(0, 3, 1, 2), width, height, *target)
+    got = np.concatenate([p.image_latents for p in passes])
+    assert got.shape == (2, target[1] // 8, target[0] // 8, 4)
+    np.testing.assert_allclose(got, want.permute(0, 2, 3, 1).numpy(), atol=1e-5)
+    assert [(p.width, p.height, p.seed) for p in passes] == [(*target, 3), (*target, 4)]
+
+
+def test_a_picture_upscaler_covers_then_cuts_on_a1111s_latent_cells():
+    r = engine.GenerationRequest(
+        **ARGS,
+        width=64,
+        height=40,
+        num_images=1,
+        seed=3,
+        strength=0.5,
+        hires_width=72,
+        hires_height=64,
+        hires_upscaler="Lanczos",
+    )
+    asked = []
+
+    def upscale(image, width, height, name):
+        asked.append((width, height, name))
+        ramp = np.tile(np.arange(width, dtype=np.uint8)[None, :, None], (height, 1, 3))
+        return Image.fromarray(ramp)
+
+    (second,) = second_passes(r, first_result(64, 40, [3]), upscale)
+    assert asked == [(102, 64, "Lanczos")]  # 64 * 64 // 40 wide: it covers 72x64
+    assert second.image.size == (72, 64)
+    assert np.asarray(second.image)[0, 0, 0] == 8  # A1111 cuts (102 - 72) // 8 = 3 cells: 1 on the left
+
+
+def test_the_second_pass_draws_with_its_own_sampler_prompts_and_strength():
+    r = engine.GenerationRequest(
+        **ARGS,
+        width=64,
+        height=64,
+        num_images=1,
+        seed=3,
+        strength=0.5,
+        hires_scale=2.0,
+        hires_scheduler="ddim",
+        hires_prompt="a blue square",
+        hires_negative_prompt="",
+    )
+    (second,) = second_passes(r, first_result(64, 64, [3]), upscale=None)
+    assert (second.scheduler, second.prompt, second.negative_prompt) == ("ddim", "a blue square", "")
+    assert (first_pass(r).scheduler, first_pass(r).prompt) == ("euler", PROMPT)
+    (plain,) = second_passes(
+        dataclasses.replace(r, hires_scheduler=None, hires_prompt=None, hires_negative_prompt=None),
+        first_result(64, 64, [3]),
+        upscale=None,
+    )
+    assert (plain.scheduler, plain.prompt, plain.negative_prompt) == ("euler", PROMPT, NEGATIVE)  # the first pass's
+    limits = engine.Limits(
+        schedulers=("euler", "ddim"), side_multiple=8, max_side=256, max_clip_skip=0, devices=1, upscalers=("Latent",)
+    )
+    defaults = dict(num_inference_steps=4, guidance_scale=6.0, width=64, height=64, scheduler="euler")
+    resolved = limits.resolve(engine.GenerationRequest(PROMPT, hires_scale=2.0, hires_strength=0.3), defaults)
+    assert resolved.strength == 0.3  # the hires section's strength is the second pass's
+    assert limits.resolve(engine.GenerationRequest(PROMPT, hires_scale=2.0), defaults).strength == 0.7
+    for fields, message in (
+        (dict(hires_scheduler="heun"), "unknown hires_scheduler 'heun'; choose one of euler, ddim"),
+        (dict(hires_strength=0.0), "hires_strength must be a number above 0 and at most 1, got 0.0"),
+        (dict(hires_prompt=7), "hires_prompt must be text"),
+        (dict(hires_negative_prompt="x" * 3000), "hires_negative_prompt is too long (3000 characters"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            limits.resolve(engine.GenerationRequest(PROMPT, hires_scale=2.0, **fields), defaults)
+        assert message in str(refused.value)

@@ -109,9 +109,9 @@ A1111_SAMPLES = [
             height=1266,
             model="realism_engine",
             strength=0.75,  # "Denoising strength"
+            mask_blur=2,  # "Mask blur": inpainting's
             extra={
                 "Model hash": "b513c6287d",
-                "Mask blur": "2",
                 "Version": "v1.9.4",
             },
         ),

@@ -109,57 +109,18 @@ def _binary_mask(mask: Image.Image, invert: bool) -> Image.Image:
     return ImageOps.invert(mask) if invert else mask
 
 
-RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill", 3: "just resize (latent upscale)"}
-
-
-def resized(image: Image.Image, size: tuple[int, int] | None, mode: int, fill_edges: bool = True) -> Image.Image:
-    """A1111's `resize_image`: the picture at `size` (width, height) by `resize_mode`; no size: as it is.
-    1 covers the size and crops the middle; 2 fits inside it and, for a picture, stretches its edge rows and
-    columns into the bands left over (a mask's bands stay black: nothing there is repainted)."""
-    if size is None or image.size == size:
-        return image
-    if mode in (0, 3):
-        return image.resize(size, Image.Resampling.LANCZOS)
-    (w, h), (iw, ih) = size, image.size
-    ratio = w / h
-    if mode == 1:
-        sw, sh = (w, round(w * ih / iw)) if ratio > iw / ih else (round(h * iw / ih), h)
-        scaled = image.resize((sw, sh), Image.Resampling.LANCZOS)
-        left, top = (sw - w) // 2, (sh - h) // 2
-        return scaled.crop((left, top, left + w, top + h))
-    sw, sh = (round(h * iw / ih), h) if ratio > iw / ih else (w, round(w * ih / iw))
-    scaled = image.resize((sw, sh), Image.Resampling.LANCZOS)
-    out = Image.new(image.mode, size)
-    left, top = (w - sw) // 2, (h - sh) // 2
-    out.paste(scaled, (left, top))
-    if fill_edges and sw < w:  # the side bands: the first and last columns, stretched
-        out.paste(scaled.crop((0, 0, 1, sh)).resize((left, sh)), (0, top))
-        out.paste(scaled.crop((sw - 1, 0, sw, sh)).resize((w - sw - left, sh)), (left + sw, top))
-    if fill_edges and sh < h:  # the top and bottom bands: the first and last rows, stretched
-        out.paste(scaled.crop((0, 0, sw, 1)).resize((sw, top)), (left, 0))
-        out.paste(scaled.crop((0, sh - 1, sw, sh)).resize((sw, h - sh - top)), (left, top + sh))
-    return out
-
-
 def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
-    """The request's image (and mask) from img2img's base64 fields, resized by `resize_mode` to the body's size
-    when it gives one; sizes checked before pixels are read."""
+    """The request's image (and mask) from img2img's base64 fields, sizes checked before pixels are read. The engine
+    resizes them by resize_mode and applies the mask's blur, "only masked" and the fill (the request's fields)."""
     if not body.init_images:
         raise _refuse("img2img needs init_images: a list with one base64 picture")
     if len(body.init_images) > 1:
         raise _refuse("img2img draws from one init image per request here; send each picture in its own request")
-    if body.resize_mode not in RESIZE_MODES:
-        modes = ", ".join(f"{k} ({name})" for k, name in RESIZE_MODES.items())
-        raise _refuse(f"resize_mode must be one of {modes}, not {body.resize_mode!r}")
     image = read_picture(decode_base64(body.init_images[0], "init_images[0]"), "init_images[0]", max_pixels)
-    size = (body.width, body.height) if body.width and body.height else None
-    fields: dict[str, Any] = {"image": resized(opaque(image), size, body.resize_mode)}
+    fields: dict[str, Any] = {"image": opaque(image)}
     if body.mask:
         mask = read_picture(decode_base64(body.mask, "mask"), "mask", max_pixels)
-        mask = _binary_mask(mask, bool(body.inpainting_mask_invert))
-        if mask.size == image.size:  # else the engine refuses the pair by name, sizes and all
-            mask = resized(mask, size, body.resize_mode, fill_edges=False)
-        fields["mask_image"] = mask
+        fields["mask_image"] = _binary_mask(mask, bool(body.inpainting_mask_invert))
     return fields
 
 
@@ -176,6 +137,8 @@ def body_values(body: Txt2ImgRequest) -> dict[str, Any]:
         if f.name in OWN_FIELDS:
             continue
         value = settings.get(f.a1111_setting) if f.a1111_setting in settings else getattr(body, f.a1111 or "", None)
+        if value is None and f.a1111_default is not None and f.a1111 in type(body).model_fields:
+            value = f.a1111_default  # A1111's own default (mask_blur 4, only masked, fill), not ours
         if value is None or value == "":
             continue
         if f.from_a1111 is not None:
@@ -184,16 +147,14 @@ def body_values(body: Txt2ImgRequest) -> dict[str, Any]:
     return _hires_values(body, values)
 
 
-HIRES_FIELDS = ("hires_scale", "hires_width", "hires_height", "hires_upscaler", "hires_steps")
-
-
 def _hires_values(body: Txt2ImgRequest, values: dict[str, Any]) -> dict[str, Any]:
     """A1111's hires fix: its fields count only with enable_hr (then hr_scale is 2 unless a size is given; a size
     of 0 is none), and txt2img's denoising_strength is the second pass's."""
+    hires_fields = [f.name for f in request_fields.current() if f.name.startswith("hires_")]
     if isinstance(body, Img2ImgRequest):
-        return {k: v for k, v in values.items() if k not in HIRES_FIELDS}
+        return {k: v for k, v in values.items() if k not in hires_fields}
     if not body.enable_hr:
-        return {k: v for k, v in values.items() if k not in HIRES_FIELDS and k != "strength"}
+        return {k: v for k, v in values.items() if k not in hires_fields and k != "strength"}
     for side in ("hires_width", "hires_height"):
         if values.get(side) == 0:
             del values[side]
@@ -212,9 +173,13 @@ def build_request(
     if body.batch_size < 1 or body.n_iter < 1:
         raise _refuse(f"batch_size and n_iter must be at least 1, got {body.batch_size} and {body.n_iter}")
     prompt, loras = names.take_loras(body.prompt)
+    hires = {}
+    if getattr(body, "enable_hr", False) and body.hr_sampler_name and not isinstance(body, Img2ImgRequest):
+        hires["hires_scheduler"] = names.a1111_scheduler(pipe, body.hr_sampler_name, body.hr_scheduler)
     return api_request(
         prompt,
         scheduler=names.a1111_scheduler(pipe, body.sampler_name or body.sampler_index, body.scheduler),
+        **hires,
         num_images=body.batch_size * body.n_iter,
         lora_scales=loras,
         **body_values(body),

@@ -33,18 +33,17 @@ class _Txt2ImgOwn(_Body):
     n_iter: int = 1  # batch_size x n_iter pictures in all
     override_settings: dict[str, Any] | None = None
     send_images: bool = True
-    # Hires fix: off unless enable_hr; then hr_scale (default 2) or hr_resize_x / hr_resize_y (0: none), hr_upscaler,
-    # hr_second_pass_steps, and denoising_strength (default 0.7) for the second pass. hr_sampler_name, hr_prompt and
-    # hr_negative_prompt are not read: the second pass draws with the first's sampler and prompts.
+    # Hires fix: off unless enable_hr; then hr_scale (default 2) or hr_resize_x / hr_resize_y (0: none; both: cover,
+    # then cut), hr_upscaler, hr_second_pass_steps, hr_prompt, hr_negative_prompt, and denoising_strength (default
+    # 0.7) for the second pass; hr_sampler_name (with hr_scheduler) its sampler, read as sampler_name is.
     enable_hr: bool = False
     denoising_strength: float | None = None
+    hr_sampler_name: str | None = None
+    hr_scheduler: str | None = None
 
 
 class _Img2ImgOwn(_Body):
     init_images: list[str] | None = None  # base64 pictures, with or without a data: prefix; one is drawn from
-    # 0: just resize, 1: crop and resize (cover, centred), 2: resize and fill (fit, the edges stretched into the
-    # rest), 3: just resize (A1111 resizes the latents; here the picture); to width x height when they are given.
-    resize_mode: int = 0
     mask: str | None = None  # base64; white: repaint (its alpha, when it has transparent pixels)
     inpainting_mask_invert: int = 0  # 1: black repaints
     include_init_images: bool = False

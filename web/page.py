@@ -112,7 +112,9 @@ def field_control(pipe: engine.EngineFace, name: str, **props: Any) -> gr.compon
     (hidden where the range is empty, as DeepCache's on a model without UNet levels), or a dropdown of its choices;
     its value the model's default, else the field's."""
     f = page_fields()[name]
-    value = props.pop("value", pipe.defaults.get(f.name, f.default))
+    value = props.pop("value", pipe.defaults.get(f.name, f.default if f.page.value is None else f.page.value))
+    if f.page.control == "checkbox":
+        return gr.Checkbox(value=bool(value), label=f.page.label, **props)
     if f.page.control == "dropdown":
         choices = list(f.choices(pipe.limits))
         props.setdefault("visible", bool(choices))  # nothing to choose: hidden (hires fix on an inpainting model)
@@ -182,8 +184,11 @@ def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> li
 # ---- the picture inputs, ControlNet and LoRAs --------------------------------------------------
 
 
-def picture_controls(pipe: engine.EngineFace) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider]:
-    """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength."""
+def picture_controls(
+    pipe: engine.EngineFace, controls: dict[str, Any]
+) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider]:
+    """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength;
+    the picture section's other fields (mask blur, only masked, ...) go into `controls`."""
     choices = mode_choices(pipe)
     with gr.Accordion("Start from a picture: image to image, inpainting", open=choices[0] != "Text to image"):
         mode = gr.Radio(choices, value=choices[0], label="Mode", elem_id="mode")
@@ -199,6 +204,9 @@ def picture_controls(pipe: engine.EngineFace) -> tuple[gr.Radio, gr.ImageEditor,
             label="Mask (instead of painting: white is redrawn)", type="pil", sources=("upload",), elem_id="mask"
         )
         strength = field_control(pipe, "strength", value=default_strength(pipe, choices[0]), elem_id="strength")
+        for name, f in page_fields().items():  # inpainting's options, in their order
+            if f.page.section == "picture" and name != "strength":
+                controls[name] = field_control(pipe, name)
     return mode, picture, mask, strength
 
 
@@ -368,7 +376,7 @@ def create_demo(
                     for name in basic
                     if name not in ("prompt", "negative_prompt", "seed")
                 }
-                mode, picture, mask, strength = picture_controls(pipe)
+                mode, picture, mask, strength = picture_controls(pipe, controls)
                 with gr.Accordion("Advanced", open=False):
                     controls["scheduler"] = field_control(pipe, "scheduler")
                     if sizes is None:  # any size in range: typed as WIDTHxHEIGHT

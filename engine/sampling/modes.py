@@ -58,6 +58,9 @@ class Source:
 
     image: jax.Array
     mask: jax.Array
+    # [batch, 2]: what the repainted part of the start latents is made of, (the picture's share, the noise's): (1, 0)
+    # the picture (A1111's "original"), (0, 1) latent noise, (0, 0) latent nothing
+    start: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -71,17 +74,24 @@ class Inpainting:
     noise: jax.Array  # [batch, h, w, c]: the slot's noise, mixed into `image` at each step's level
 
 
-def source_row(image: Image.Image | None, mask: Image.Image | None, width: int, height: int) -> dict[str, np.ndarray]:
-    """One slot's `Source` row on the host (zeros for an empty slot)."""
+# A1111's inpainting_fill -> the start latents' (picture, noise) shares where the mask repaints; 0 (fill) is done to
+# the picture before (sampling/inpaint.py) and then starts from it, as 1 does.
+LATENT_STARTS = {0: (1.0, 0.0), 1: (1.0, 0.0), 2: (0.0, 1.0), 3: (0.0, 0.0)}
+
+
+def source_row(
+    image: Image.Image | None, mask: Image.Image | None, width: int, height: int, fill: int = 1
+) -> dict[str, np.ndarray]:
+    """One slot's `Source` row on the host (zeros for an empty slot); `fill`: A1111's inpainting_fill."""
     pixels = np.zeros((height, width, 3), np.float32) if image is None else image_array(image, width, height)
     holes = np.ones((height, width, 1), np.float32) if mask is None else mask_array(mask, width, height)
-    return dict(image=pixels, mask=holes)
+    return dict(image=pixels, mask=holes, start=np.asarray(LATENT_STARTS[int(fill)], np.float32))
 
 
 def latent_row(latents: np.ndarray | None, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
     """One slot's `Source` row in the "latents" mode: [h, w, c] scaled latents (zeros for an empty slot)."""
     image = np.zeros(shape, np.float32) if latents is None else np.asarray(latents, np.float32)
-    return dict(image=image, mask=np.ones((*shape[:2], 1), np.float32))
+    return dict(image=image, mask=np.ones((*shape[:2], 1), np.float32), start=np.asarray((1.0, 0.0), np.float32))
 
 
 def encode(vae, images: jax.Array) -> jax.Array:
@@ -103,11 +113,12 @@ def start(vae, source: Source, noise: jax.Array, tables, mode: str, channels: in
     """
     image = source.image if mode == "latents" else encode(vae, source.image)  # [batch, h, w, c]
     signal, sigma = tables.init_signal[:, None, None, None], tables.init_noise_sigma[:, None, None, None]
-    x = signal * image + sigma * noise
     if mode != "inpaint":
-        return x, None
+        return signal * image + sigma * noise, None
     factor = source.image.shape[1] // image.shape[1]
     mask = source.mask[:, ::factor, ::factor]  # nearest, as torch's `interpolate` to the latent size
+    keep, noisy = (source.start[:, k, None, None, None] for k in (0, 1))  # A1111's latent noise / nothing
+    x = signal * ((1 - mask) * image + mask * (keep * image + noisy * noise)) + sigma * noise
     masked = encode(vae, source.image * (source.mask < 0.5)) if channels == 9 else jnp.zeros_like(image)
     return x, Inpainting(mask=mask, masked=masked, image=image, noise=noise)
 

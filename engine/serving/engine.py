@@ -43,6 +43,7 @@ from .batcher import Batcher
 from .hires import HiresFix, first_pass
 from .jobs import Jobs
 from .lora_serving import ServedLoRAs
+from .prepared import needs_preparing, submit_prepared
 from .programs import Programs
 from .slots import Job
 from .ticket import Progress, Ticket
@@ -255,6 +256,8 @@ class Engine:
             ticket = Ticket(r, first.warnings, caller)
             HiresFix(r, ticket, self._submit_second, self.upscale).start(first)
             return ticket
+        if needs_preparing(r):  # A1111's resize modes, mask blur, "only masked", fill (serving/prepared.py)
+            return submit_prepared(r, self._submit, caller)
         return self._submit(r, caller)
 
     def _submit_second(self, r: GenerationRequest, caller: str) -> Ticket:

@@ -35,13 +35,21 @@ def first_pass(r: GenerationRequest) -> GenerationRequest:
         hires_steps=0,
         strength=None,
         return_latents=r.hires_upscaler in LATENT_UPSCALERS,
+        hires_scheduler=None,
+        hires_prompt=None,
+        hires_negative_prompt=None,
+        hires_strength=None,
+        resize_mode=0,
     )
 
 
 def second_passes(r: GenerationRequest, first: GenerationResult, upscale: Upscale) -> list[GenerationRequest]:
-    """One image-to-image request per picture of the first pass, at the hires size, from its own seed. `r` is
-    resolved: its strength is set (0.7 where none was given)."""
+    """One image-to-image request per picture of the first pass, at the hires size, from its own seed, with the
+    second pass's sampler and prompts where the request gives them. `r` is resolved: its strength is set (0.7 where
+    none was given). With both hires sides given, the pictures (or latents) are upscaled to cover them at the first
+    pass's aspect and cut to them in the middle, on latent cells as A1111 cuts its latents."""
     width, height = r.hires_size()
+    cover_width, cover_height = r.hires_cover()
     base = dataclasses.replace(
         first_pass(r),
         width=width,
@@ -51,14 +59,24 @@ def second_passes(r: GenerationRequest, first: GenerationResult, upscale: Upscal
         strength=r.strength,
         latents=None,
         return_latents=False,
+        scheduler=r.hires_scheduler or r.scheduler,
+        prompt=r.prompt if r.hires_prompt is None else r.hires_prompt,
+        negative_prompt=r.negative_prompt if r.hires_negative_prompt is None else r.hires_negative_prompt,
     )
     if r.hires_upscaler in LATENT_UPSCALERS:
         factor = r.height // first.latents.shape[1]
-        latents = upscale_latents(first.latents, height // factor, width // factor, r.hires_upscaler)
+        latents = upscale_latents(first.latents, cover_height // factor, cover_width // factor, r.hires_upscaler)
+        top, left = ((cover - side) // factor // 2 for cover, side in ((cover_height, height), (cover_width, width)))
+        latents = latents[:, top : top + height // factor, left : left + width // factor]
         return [
             dataclasses.replace(base, seed=seed, image_latents=latents[k : k + 1]) for k, seed in enumerate(first.seeds)
         ]
-    pictures = [upscale(image, width, height, r.hires_upscaler) for image in first.images]
+    factor = 8  # A1111's opt_f: it cuts the encoded picture's latents, so the cut falls on 8-pixel cells
+    top, left = (
+        (cover - side) // factor // 2 * factor for cover, side in ((cover_height, height), (cover_width, width))
+    )
+    box = (left, top, left + width, top + height)
+    pictures = [upscale(image, cover_width, cover_height, r.hires_upscaler).crop(box) for image in first.images]
     return [
         dataclasses.replace(base, seed=seed, image=picture) for seed, picture in zip(first.seeds, pictures, strict=True)
     ]

@@ -153,7 +153,7 @@ class Jobs:
             return modes.Source(**modes.latent_row(latents, self._latent_shape(plan)))
         factor = self.model.vae_scale_factor
         width, height = plan.latent_width * factor, plan.latent_height * factor
-        return modes.Source(**modes.source_row(r.image, r.mask_image, width, height))
+        return modes.Source(**modes.source_row(r.image, r.mask_image, width, height, r.inpainting_fill))
 
     def blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
