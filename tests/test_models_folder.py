@@ -10,9 +10,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
+import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +32,8 @@ from test_single_file import to_original
 import engine
 import web
 from engine.compat.pnginfo import png_info
-from engine.loading.models_folder import ModelsFolder, title_parts
+from engine.loading import models_folder
+from engine.loading.models_folder import HASH_CACHE, ModelsFolder, title_parts
 
 OPTIONS = dict(dtype="float32", safety_checker=False, previews=False, max_batch_size=2, sizes=None)
 DRAW = dict(seed=3, num_inference_steps=2, guidance_scale=5.0, height=64, width=64, num_images=1, scheduler="ddim")
@@ -42,6 +46,7 @@ def models(tmp_path_factory):
     """MODELS/Stable-diffusion/{tiny-folder/, tiny-file.safetensors, broken.safetensors}, MODELS/Lora/style.safetensors;
     the single file's configs beside the folder, not in it."""
     root = tmp_path_factory.mktemp("models")
+    os.environ[HASH_CACHE] = str(root.parent / f"{root.name}-hashes.json")  # never the user's own
     checkpoints = root / "Stable-diffusion"
     checkpoints.mkdir()
     pipe = tiny_pipeline.write("sd1", checkpoints / "tiny-folder")
@@ -55,7 +60,8 @@ def models(tmp_path_factory):
     loras = write_loras(pipe, root / "Lora", ("text_encoder",))
     shutil.move(loras["kohya"], root / "Lora" / "style.safetensors")
     (root / "Lora" / "peft.safetensors").unlink()
-    return root, config
+    yield root, config
+    os.environ.pop(HASH_CACHE, None)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +126,19 @@ def test_the_folder_is_listed_as_a1111_names_it(models):
         folder.match("broken")
     assert title_parts(file.title) == ("tiny-file", sha[:10])
     assert list(folder.loras) == ["style"] and folder.vaes == {}
+
+
+def test_hashes_are_kept_so_a_start_reads_only_new_files(models, monkeypatch):
+    root, _ = models
+    kept = json.loads(Path(os.environ[HASH_CACHE]).read_text())
+    sha = ModelsFolder.open(root).match("tiny-file").sha256
+    assert [entry for entry, value in kept.items() if value == sha] == [
+        f"{(root / 'Stable-diffusion' / 'tiny-file.safetensors').resolve()}|"
+        f"{(root / 'Stable-diffusion' / 'tiny-file.safetensors').stat().st_size}|"
+        f"{(root / 'Stable-diffusion' / 'tiny-file.safetensors').stat().st_mtime_ns}"
+    ]
+    monkeypatch.setattr(models_folder, "_sha256", lambda path: pytest.fail(f"{path} hashed again"))
+    assert ModelsFolder.open(root).match("tiny-file").sha256 == sha
 
 
 def test_each_model_draws_as_it_draws_alone(pool, alone):

@@ -10,8 +10,9 @@ A checkpoint is named as A1111 names it (`modules/sd_models.py`, `CheckpointInfo
 `Stable-diffusion/` ("sub/dreamshaper_8.safetensors"), `model_name` that without its extension and with "/" as "_",
 `hash` the first 10 hex digits of the file's sha256 (A1111's "shorthash"), `title` "name [hash]". A client may
 call it by any of those, by its full sha256, or by its file's stem; a title with a stale hash still finds its name.
-A diffusers folder has no file to hash: its title is its name. Hashes are kept per (path, size, mtime), so a rescan
-reads only new or changed files.
+A diffusers folder has no file to hash: its title is its name. Hashes are kept per (path, size, mtime) in
+`HASH_CACHE` (JAX_SD_HASH_CACHE, default ~/.cache/jax-sd/model-hashes.json, as A1111 keeps its cache.json): a
+start or a rescan reads only new or changed files (a 2 GB checkpoint takes seconds to hash).
 
 A file that is not a checkpoint the engine can read (a truncated safetensors, a header that does not parse) is
 listed with `problem` saying why, and never offered; one that fails when it is loaded is marked so then.
@@ -20,9 +21,12 @@ listed with `problem` saying why, and never offered; one that fails when it is l
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ EMBEDDINGS = "embeddings"
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".gguf")
 LORA_SUFFIXES = (".safetensors",)
 VAE_SUFFIXES = (".safetensors", ".ckpt", ".pt")
+HASH_CACHE = "JAX_SD_HASH_CACHE"  # the file the checkpoints' hashes are kept in
 _HASHED = re.compile(r"^(?P<name>.*?)\s*\[(?P<hash>[0-9a-fA-F]{8,64})\]$")
 
 
@@ -99,7 +104,6 @@ class ModelsFolder:
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by title, in the folder's order
     loras: dict[str, Path] = field(default_factory=dict)  # name (the file's stem) -> file
     vaes: dict[str, Path] = field(default_factory=dict)
-    _hashes: dict[tuple[str, int, int], str] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -146,10 +150,14 @@ class ModelsFolder:
         if problem:
             return Checkpoint(name, path, problem=problem)
         stat = path.stat()
-        key = (str(path), stat.st_size, stat.st_mtime_ns)
-        if key not in self._hashes:
-            self._hashes[key] = _sha256(path)
-        return Checkpoint(name, path, sha256=self._hashes[key])
+        hashes = _hash_cache()
+        entry = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if entry not in hashes:
+            started = time.perf_counter()
+            hashes[entry] = _sha256(path)
+            log.info("hashed %s in %.1f s", name, time.perf_counter() - started)
+            _save_hash_cache(hashes)
+        return Checkpoint(name, path, sha256=hashes[entry])
 
     def usable(self) -> list[Checkpoint]:
         return [c for c in self.checkpoints.values() if not c.problem]
@@ -230,6 +238,38 @@ def _file_problem(path: Path) -> str | None:
     except Exception as err:  # safetensors' own errors: a truncated file, a header that does not parse
         return f"not a readable safetensors file ({type(err).__name__}: {str(err)[:120]})"
     return None
+
+
+_hashes: dict[str, str] | None = None  # "path|size|mtime_ns" -> sha256, read from HASH_CACHE once per process
+_hashes_lock = threading.Lock()
+
+
+def _hash_file() -> Path:
+    return Path(os.environ.get(HASH_CACHE) or Path.home() / ".cache" / "jax-sd" / "model-hashes.json")
+
+
+def _hash_cache() -> dict[str, str]:
+    global _hashes
+    with _hashes_lock:
+        if _hashes is None:
+            try:
+                _hashes = dict(json.loads(_hash_file().read_text()))
+            except (OSError, ValueError, TypeError):  # none yet, or unreadable: hashed again
+                _hashes = {}
+        return _hashes
+
+
+def _save_hash_cache(hashes: dict[str, str]) -> None:
+    path = _hash_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _hashes_lock:
+            text = json.dumps(hashes, indent=0, sort_keys=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(path)
+    except OSError as err:  # a read-only home: the hashes are kept for this process only
+        log.warning("could not keep checkpoint hashes in %s: %s", path, err)
 
 
 def _sha256(path: Path) -> str:
