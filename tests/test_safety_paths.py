@@ -19,7 +19,7 @@ from tests._api_server import FakeEngine, fake_app, png
 from web.page import generate_signature
 from web.pictures import NOT_OURS, ClientFiles
 
-FORM = ["a cat", "", 7, 2, 7.5, "ddim", "64x64", 1, 0, 0.0]  # prompt ... token_merging, as the page's form
+FORM = ["a cat", "", 7, 2, 7.5, "ddim", "64x64", 1, 0, 0.0, 0.0, "Latent", 0, 0.7]  # prompt ... hires_strength
 META = {"meta": {"_type": "gradio.FileData"}}
 
 
