@@ -176,6 +176,13 @@ def test_one_model_at_a_time_evicts_the_idle_one_and_reloads(pool, alone):
         assert isinstance(events[-1], engine.Finished), events[-1]
         same(events[-1].result.images[0], alone["folder"])
         assert pool.loaded == ["tiny-folder"] and pool.loads >= loads + 1
+        # Two models asked for at once with room for one: the second waits for the first's request, then swaps in.
+        tickets = [
+            pool.submit(engine.GenerationRequest(PROMPT, model=name, **DRAW)) for name in ("tiny-file", "tiny-folder")
+        ]
+        same(tickets[0].result(timeout=300).images[0], alone["file"])
+        same(tickets[1].result(timeout=300).images[0], alone["folder"])
+        assert len(pool.loaded) == 1 and pool.loads >= loads + 3
     finally:
         pool.max_loaded = 2
 
