@@ -335,3 +335,29 @@ def test_the_command_line_serves_a_models_folder(monkeypatch, models, pool):
     assert seen["served"] is pool and seen["warmup"] == len(pool.devices) and seen["dtype"] == "float32"
     with pytest.raises(SystemExit):  # a LoRA comes from the folder's Lora/, called from the prompt
         app.main(["--models", str(root), "--lora", "style=style.safetensors"])
+
+
+def test_a1111_progress_says_which_model_a_request_waits_for(server, pool, alone):
+    a1111 = f"{server}/sdapi/v1"
+    pool.max_loaded = 1  # the model asked for must wait for room: the other closes, then it loads
+    try:
+        kept = pool.generate(PROMPT, **DRAW).request.model  # the default; any other closes once idle
+        deadline = time.monotonic() + 30
+        while len(pool.loaded) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wanted = next(title for title in pool.models.titles() if title != kept)
+        answer = {}
+        body = dict(prompt=PROMPT, override_settings={"sd_model_checkpoint": wanted}, **A1111)
+        call = threading.Thread(
+            target=lambda: answer.update(r=requests.post(f"{a1111}/txt2img", json=body, timeout=600))
+        )
+        call.start()
+        said = set()
+        while call.is_alive():
+            said.add(requests.get(f"{a1111}/progress").json()["textinfo"])
+            time.sleep(0.02)
+        name = wanted.split(" [")[0]
+        assert f"Loading the model {name}." in said
+        same(decoded(answer["r"].json()["images"][0]), alone["file" if name.startswith("tiny-file") else "folder"])
+    finally:
+        pool.max_loaded = 2

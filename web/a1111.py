@@ -312,6 +312,7 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
             sampling_step=job.step,
             sampling_steps=total,
         )
+        waiting = f"Waiting for a free slot: number {job.position} in line."
         shown = not skip_current_image and not caller.shared  # a shared caller's preview may be another's picture
         image = await asyncio.to_thread(preview_png, job) if shown else None
         return ProgressResponse(
@@ -319,7 +320,7 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
             eta_relative=max(elapsed / done - elapsed, 0.0),
             state=state,
             current_image=b64(image) if image else None,
-            textinfo=f"Waiting for a free slot: number {job.position} in line." if job.position else None,
+            textinfo=f"Loading the model {job.loading}." if job.loading else waiting if job.position else None,
         )
 
     @router.post("/interrupt")

@@ -112,6 +112,7 @@ class ApiJob:
     ticket: engine.Ticket
     started: float = field(default_factory=time.time)
     position: int | None = None  # in the engine's queue, while it waits
+    loading: str | None = None  # the model it waits for, while that model loads (a server of several models)
     step: int = 0
     total: int = 0
     preview: np.ndarray | None = None  # the first picture's latest preview
@@ -124,9 +125,11 @@ class ApiJob:
 
     def note(self, event: engine.Event) -> None:
         if isinstance(event, engine.Queued):
-            self.position = event.position
+            self.position, self.loading = event.position, None
+        elif isinstance(event, engine.Loading):
+            self.loading = event.model
         elif isinstance(event, engine.Progress):
-            self.position, self.step, self.total = None, event.step, event.total
+            self.position, self.loading, self.step, self.total = None, None, event.step, event.total
         elif isinstance(event, engine.Preview) and event.images:
             self.preview = event.images[0]
         elif isinstance(event, engine.Finished):
