@@ -337,7 +337,7 @@ FIELDS: tuple[RequestField, ...] = (
         "hires fix: how much the second pass redraws, above 0 and at most 1; none: strength's, else 0.7.",
         range=(0.0, 1.0),
         title="Hires denoising strength",
-        page=OnPage("hires", "slider", "Denoising strength", step=0.05, minimum=0.05),
+        page=OnPage("hires", "slider", "Denoising strength", step=0.05, minimum=0.05, value=0.7),  # A1111's
         openai="hires_strength",  # A1111 sends txt2img's denoising_strength (strength)
     ),
     RequestField(

@@ -156,6 +156,20 @@ def test_the_unet_speed_ups_show_only_where_the_model_has_unet_levels(unet, labe
         assert slider["maximum"] == most
 
 
+def test_the_hires_section_has_its_strength_and_the_picture_section_inpaintings_options():
+    pipe = FakeEngine()
+    pipe.limits = dataclasses.replace(FakeEngine.limits, upscalers=("Latent", "Lanczos"), sizes=None)
+    shown = {c["props"].get("label"): c["props"] for c in page.create_demo(pipe).config["components"]}
+    assert shown["Denoising strength"]["value"] == 0.7  # A1111's hires strength, no longer fixed
+    assert shown["Mask blur (pixels; 0: a sharp edge)"]["value"] == 4  # A1111's page's blur
+    assert shown["Only masked: draw the masked area at the full size, paste it back"]["value"] is False
+    assert shown["Only masked padding (pixels)"]["value"] == 32
+    values = page_values(hires_scale=2.0, hires_strength=0.35, mask_blur=8, inpaint_full_res=True, inpainting_fill=0)
+    r = requests.parse_request(pipe, **values)
+    assert (r.hires_strength, r.mask_blur, r.inpaint_full_res, r.inpainting_fill) == (0.35, 8, True, 0)
+    assert pipe.limits.resolve(r, pipe.defaults).strength == 0.35  # the second pass's strength
+
+
 def test_a_history_entry_saved_before_the_speed_ups_and_hires_fix_restores_them_off():
     old = dict(zip(handlers.FORM_FIELDS[:8], ["a cat", "", 7, 4, 7.5, "ddim", "64x64", 1], strict=True))
     assert handlers.FORM_FIELDS[8:] == (
