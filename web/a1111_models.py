@@ -1,7 +1,7 @@
 """AUTOMATIC1111's web UI API on the wire: the bodies its clients send and the answers they read, as pydantic
 models named after A1111's `modules/api/models.py`; the request fields' part of the bodies comes from
 `engine.request_fields` (their `a1111` names). Only the fields jax-sd reads or writes are declared; any
-other field a client sends (hires fix, restore_faces, scripts, ...) is accepted and ignored, as A1111's own
+other field a client sends (restore_faces, scripts, ...) is accepted and ignored, as A1111's own
 clients send dozens of them. A value left out takes the model's own default (A1111's would be 512x512, 50
 steps, CFG 7), except `seed`, which is random (-1) as in A1111.
 """

@@ -9,7 +9,9 @@ pasted back over the picture afterwards. Read A1111's `StableDiffusionProcessing
   mirrored without repeating the edge pixel, rounded to 8 bits after each pass (OpenCV's `GaussianBlur`, which A1111
   calls).
 - `masked_area`: "only masked" (`inpaint_full_res`): the mask's bounding box grown by the padding, then widened or
-  heightened to the request's aspect inside the picture; the crop is drawn at the request's size.
+  heightened to the request's aspect inside the picture; the crop is drawn at the request's size. An empty mask has
+  no box: the whole picture is drawn at the request's size with nothing repainted (A1111 then draws it as image to
+  image without a mask, which a model that only inpaints cannot).
 - `fill_masked`: "fill" (`inpainting_fill` 0): the masked part painted with the kept colours blurred ever less
   (radii 256 down to 0), so the drawing starts from the colours around the hole.
 - `overlay` / `paste_back`: the picture where it is kept (its alpha: the blurred mask inverted) laid over the drawing,
