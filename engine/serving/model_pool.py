@@ -340,6 +340,7 @@ def _run_when_loaded(pool: ModelPool, checkpoint: Checkpoint, request: Generatio
         if ticket.cancel_requested:
             raise Cancelled("stopped before it finished")
         inner.append(engine.submit(pool._loras.weighed(title, request), ticket.caller))
+        ticket.warnings.extend(inner[0].warnings)  # the prompt's notes (a prompt cut short, ...)
     except BaseException as err:
         pool._finished(title)
         ticket.emit(Failed(err))
