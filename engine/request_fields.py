@@ -308,6 +308,7 @@ FIELDS: tuple[RequestField, ...] = (
         "hires fix: the second pass's sampler (as scheduler); none: the first pass's.",
         range="schedulers",
         title="Hires sampler",
+        png="Hires sampler",  # by A1111's sampler name (compat/pnginfo.py)
         openai="hires_scheduler",  # A1111's hr_sampler_name is read with its sampler names (web/names.py)
     ),
     RequestField(

@@ -222,6 +222,8 @@ def settings(params: GenerationParameters) -> dict[str, str]:
         if value is None or not f.is_written(value):
             continue
         value = f.to_a1111(value) if f.to_a1111 else value
+        if f.range == "schedulers":  # a sampler of ours (hires fix's second pass's): by A1111's name
+            value = SAMPLER_NAMES.get(value, value)
         own[f.png_key(params.scheduler)] = (
             str(value) if f.type is str else str(int(value)) if f.type is int else _number(value)
         )
@@ -309,6 +311,8 @@ def parse_parameters(text: str) -> GenerationParameters:
         if key is None:
             continue
         value = pairs[key] if f.type is str else (_whole if f.type is int else _real)(pairs[key])
+        if f.range == "schedulers":  # A1111's sampler name: our kind, or (a sampler we lack) kept as text
+            value = _KINDS.get(value)
         taken[key] = value is not None  # a value that does not read as its type (a seed of "abc") stays as text
         if value is not None:
             recorded[name] = f.from_a1111(value) if f.from_a1111 else value
