@@ -94,6 +94,7 @@ class ModelPool:
         self._cond = threading.Condition()
         self._upscaling = threading.Lock()
         self._closed = False
+        self._warming: set[str] = set()  # models whose engine was warmed up (start_warmup)
         self._threads: list[threading.Thread] = []
         self.models = ServedModels(self)
         self.default = (folder.match(default) if default else folder.usable()[0]).title
@@ -146,13 +147,13 @@ class ModelPool:
     def start_warmup(self, num_images: int | None = None) -> ModelPool:
         """Loads the default model (if it is not) and warms its engine up, as `Engine.start_warmup`."""
         self.load(self.default).start_warmup(num_images)
+        self._warming.add(self.default)
         return self
 
     # -- work -------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, caller: str = "") -> Ticket:
-        """Routes the request to its model's engine. Returns at once: with that engine's ticket where the model is
-        loaded, else with a ticket that says `Loading(model)` until it is and then carries the engine's events.
-        Raises InvalidRequest (an unknown or unusable model, by name) or what the engine raises."""
+        """Routes the request to its model's engine. Returns at once: that engine's ticket, or one that says
+        `Loading(model)` until it is loaded; raises InvalidRequest (an unknown or unusable model) or the engine's."""
         if not isinstance(request, GenerationRequest):
             raise InvalidRequest(f"expected a GenerationRequest, got {type(request).__name__}")
         checkpoint = self.folder.match(request.model or self.default)
@@ -206,8 +207,7 @@ class ModelPool:
         thread.start()
 
     def close(self) -> None:
-        """Waits for the loads under way (nothing of a closed pool runs on into the process's exit), then closes
-        every engine."""
+        """Waits for the loads under way (nothing runs on into the process's exit), then closes every engine."""
         with self._cond:
             self._closed = True  # requests still waiting for a model are stopped
             threads = list(self._threads)
@@ -222,21 +222,23 @@ class ModelPool:
 
     # -- routing (under self._cond) -----------------------------------------------------------
     def _victim(self) -> str | None:
-        """The engine to close for a model that waits for room: the least recently used, idle ones first; None
-        while nothing waits for room. New requests for it wait, so that it drains."""
+        """The engine to close for a model waiting for room (LRU, idle first; new requests for it wait): or None."""
         hungry = any(n for t, n in self._waiting.items() if t not in self._engines and t not in self._loading)
         if not hungry or len(self._engines) + len(self._loading) < self.max_loaded or not self._engines:
             return None
-        idle = [t for t in self._engines if not self._running[t]]
+        idle = [t for t in self._engines if self._idle(t)]
         return idle[0] if idle else next(iter(self._engines))
 
+    def _idle(self, title: str) -> bool:
+        """No request of its own runs, nor a warm-up (`start_warmup`'s: closing it would cut the compile short)."""
+        return not self._running[title] and (title not in self._warming or self._engines[title].ready)
+
     def _finished(self, title: str) -> None:
-        """One request of `title` is done. Engines past the budget (`max_loaded` lowered) that are idle now close,
-        least recently used first, on a thread of their own (this may be an engine's own thread)."""
+        """One request of `title` is done; idle engines past a lowered budget close (on a thread: this may be theirs)."""
         with self._cond:
             self._running[title] -= 1
             excess = len(self._engines) + len(self._loading) - self.max_loaded
-            idle = [t for t in self._engines if not self._running[t]][: max(excess, 0)]
+            idle = [t for t in self._engines if self._idle(t)][: max(excess, 0)]
             closing = [self._evict(t) for t in idle]
             self._cond.notify_all()
         if closing:
@@ -247,11 +249,11 @@ class ModelPool:
         engine = self._engines.pop(title)
         self._faces[title] = _snapshot(engine)
         self._loras.forget(title)
+        self._warming.discard(title)
         return engine
 
     def _engine_for(self, checkpoint: Checkpoint, cancelled: Callable[[], bool]) -> Engine:
-        """The model's engine, counted as running one more request; loads it (closing an idle one first when the
-        pool is full) or waits. Raises Cancelled, or InvalidRequest for a model that cannot be loaded."""
+        """The model's engine, running one more request: loaded (closing an idle one if full), or waited for."""
         title = checkpoint.title
         with self._cond:
             self._waiting[title] += 1
@@ -273,7 +275,8 @@ class ModelPool:
                             self._loading.add(title)
                             closing = None
                             break
-                        if victim is not None and not self._running[victim]:
+                        if victim is not None and self._idle(victim):
+                            log.info("closing %s to make room for %s", victim, title)
                             closing = self._evict(victim)
                             self._loading.add(title)
                             break
@@ -286,7 +289,6 @@ class ModelPool:
         title = checkpoint.title
         try:
             if closing is not None:
-                log.info("closing %s to make room for %s", closing.model_name, title)
                 closing.close()
                 del closing
             started = time.perf_counter()
