@@ -361,3 +361,17 @@ def test_a1111_progress_says_which_model_a_request_waits_for(server, pool, alone
         same(decoded(answer["r"].json()["images"][0]), alone["file" if name.startswith("tiny-file") else "folder"])
     finally:
         pool.max_loaded = 2
+
+
+def test_a_warmed_up_default_makes_room_once_its_warm_up_is_done(pool, alone):
+    pool.max_loaded = 1
+    try:
+        pool.start_warmup()  # as app.py starts: the default warms up; the others, loaded on demand, do not
+        other = next(title for title in pool.models.titles() if title != pool.models.default)
+        ticket = pool.submit(engine.GenerationRequest(PROMPT, model=other, **DRAW))
+        want = alone["file" if other.startswith("tiny-file") else "folder"]
+        same(ticket.result(timeout=300).images[0], want)  # closed once warmed up, never waited for forever
+        back = pool.submit(engine.GenerationRequest(PROMPT, model=pool.models.default, **DRAW))
+        same(back.result(timeout=300).images[0], alone["folder" if want is alone["file"] else "file"])
+    finally:
+        pool.max_loaded = 2
