@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import ConfigError, SourceError, WeightsError
 from ..loading.ldm_keys import openclip_to_diffusers, unet_to_diffusers, vae_to_diffusers
 from ..loading.pickle_reader import PICKLE_SUFFIXES, read_tensors
-from ..loading.sources import ModelFolder, hub_files_or_cache, resolve
+from ..loading.sources import ModelFolder, hub_snapshot, resolve
 from ..loading.weights import map_safetensors
 from ..schedulers import SchedulerConfig
 from . import family_of, sd, sdxl
@@ -156,25 +156,20 @@ CONFIG_FILES = re.compile(r"^(model_index\.json|scheduler/.*|tokenizer(_[23])?/.
 def _hub_configs(repo_id: str, where: str, safety_checker: bool) -> Path:
     """A Hub repo's configs, tokenizers and scheduler, not its weights (besides the safety checker's when asked),
     downloaded or cached."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
-
     hint = (
         f"{where}: its configs come from {repo_id!r} on the Hugging Face Hub, which cannot be reached and is not in "
         f"the local cache. Name a diffusers folder of the same kind for them: config=DIR (--config DIR), or fetch "
         f"them where there is a network (`hf download {repo_id} --exclude '*.safetensors' '*.bin'`)"
     )
-    files = hub_files_or_cache(repo_id, hint)
-    if isinstance(files, Path):
-        return files
-    wanted = [f for f in files if CONFIG_FILES.match(f)]
-    if safety_checker:
-        wanted += [f for f in files if f.startswith(("safety_checker/", "feature_extractor/"))]
-        wanted = [f for f in wanted if not f.endswith((".bin", ".msgpack", ".h5", ".onnx"))]
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=sorted(set(wanted))))
-    except (OSError, HfHubHTTPError) as err:
-        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+
+    def choose(files: list[str]) -> list[str]:
+        wanted = [f for f in files if CONFIG_FILES.match(f)]
+        if safety_checker:
+            wanted += [f for f in files if f.startswith(("safety_checker/", "feature_extractor/"))]
+            wanted = [f for f in wanted if not f.endswith((".bin", ".msgpack", ".h5", ".onnx"))]
+        return sorted(set(wanted))
+
+    return hub_snapshot(repo_id, hint, choose)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..loading.dit_keys import Plan, apply_plan, flux_plan, sd3_plan, strip_pref
 from ..loading.gguf_file import SUFFIX as GGUF_SUFFIX
 from ..loading.gguf_file import Q8Tensor, read_gguf
 from ..loading.ldm_keys import vae_to_diffusers
-from ..loading.sources import ModelFolder, hub_files_or_cache, resolve, select_hub_files
+from ..loading.sources import ModelFolder, hub_snapshot, resolve, select_hub_files
 from ..loading.weights import map_safetensors
 from ..schedulers import SchedulerConfig
 from . import family_of, flux, sd3
@@ -128,22 +128,16 @@ def is_transformer_file(source: Any) -> bool:
 
 def _hub_folder(repo_id: str, where: str, variant: str | None) -> Path:
     """A family's Hub repo without its transformer's weights: configs, tokenizers, scheduler, text encoders, VAE."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
-
     hint = (
         f"{where}: its text encoders, VAE and configs come from {repo_id!r} on the Hugging Face Hub, which cannot be "
         f"reached (or is gated: log in with `hf auth login`) and is not in the local cache. Name a diffusers folder "
         f"of the same model for them: config=DIR (--config DIR)"
     )
-    files = hub_files_or_cache(repo_id, hint)
-    if isinstance(files, Path):
-        return files
-    wanted = [f for f in select_hub_files(files, variant) if not re.match(r"^transformer/.*\.safetensors", f)]
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=wanted))
-    except (OSError, HfHubHTTPError) as err:
-        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+
+    def choose(files: list[str]) -> list[str]:
+        return [f for f in select_hub_files(files, variant) if not re.match(r"^transformer/.*\.safetensors", f)]
+
+    return hub_snapshot(repo_id, hint, choose)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,23 +107,28 @@ def hub_files_or_cache(repo_id: str, hint: str) -> list[str] | Path:
             raise SourceError(f"{hint} ({type(err).__name__}: {err})") from cache_err
 
 
-def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = False) -> Path:
+def hub_snapshot(repo_id: str, hint: str, choose: Callable[[list[str]], list[str]]) -> Path:
+    """The files `choose` picks from a Hub repository's file names, downloaded (or found in the cache); offline, the
+    repository's local snapshot as it is. Failing both: SourceError saying `hint` and why."""
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
+    files = hub_files_or_cache(repo_id, hint)
+    if isinstance(files, Path):
+        return files
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=choose(files)))
+    except (OSError, HfHubHTTPError) as err:
+        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+
+
+def _fetch_from_hub(repo_id: str, variant: str | None, safety_checker: bool = False) -> Path:
     offline_hint = (
         f"cannot fetch {repo_id!r} from the Hugging Face Hub and it is not in the local cache. "
         f"Download it where there is a network (`hf download {repo_id} --local-dir DIR`) "
         "and pass that folder instead (--model DIR or MODEL_ID=DIR)."
     )
-    files = hub_files_or_cache(repo_id, offline_hint)
-    if isinstance(files, Path):
-        return files
-    patterns = select_hub_files(files, variant, safety_checker)
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
-    except (OSError, HfHubHTTPError) as err:
-        raise SourceError(f"{offline_hint} ({type(err).__name__}: {err})") from err
+    return hub_snapshot(repo_id, offline_hint, lambda files: select_hub_files(files, variant, safety_checker))
 
 
 def component_weight_files(folder: Path, variant: str | None, what: str) -> list[Path]:
@@ -136,26 +142,20 @@ def component_weight_files(folder: Path, variant: str | None, what: str) -> list
 def _fetch_component(repo_id: str, variant: str | None, what: str, subfolder: str) -> Path:
     """A Hub repository holding one model (config.json and its weights at the top, or in `subfolder/` of a
     pipeline repository), downloaded; offline, whatever the local cache holds."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
+
+    def choose(files: list[str]) -> list[str]:
+        inner = "config.json" not in files and f"{subfolder}/config.json" in files
+        prefix = f"{subfolder}/" if inner else ""
+        by_variant: dict[str | None, list[str]] = {}
+        for f in files:
+            # That folder's own files only: a name with a further "/" never matches.
+            match = _WEIGHT_NAME.match(f[len(prefix) :]) if f.startswith(prefix) else None
+            if match and match[1] == "diffusion_pytorch_model":
+                by_variant.setdefault(match["variant"], []).append(f)
+        return [f"{prefix}config.json", *_prefer(by_variant, variant)]
 
     hint = f"cannot fetch the {what} {repo_id!r} from the Hugging Face Hub and it is not in the local cache"
-    files = hub_files_or_cache(repo_id, hint)
-    if isinstance(files, Path):
-        return files
-    inner = "config.json" not in files and f"{subfolder}/config.json" in files
-    prefix = f"{subfolder}/" if inner else ""
-    by_variant: dict[str | None, list[str]] = {}
-    for f in files:
-        # That folder's own files only: a name with a further "/" never matches.
-        match = _WEIGHT_NAME.match(f[len(prefix) :]) if f.startswith(prefix) else None
-        if match and match[1] == "diffusion_pytorch_model":
-            by_variant.setdefault(match["variant"], []).append(f)
-    chosen = _prefer(by_variant, variant)
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=[f"{prefix}config.json", *chosen]))
-    except (OSError, HfHubHTTPError) as err:
-        raise SourceError(f"{hint} ({type(err).__name__}: {err})") from err
+    return hub_snapshot(repo_id, hint, choose)
 
 
 def component_folder(source: str | Path, what: str, subfolder: str, variant: str | None = None) -> Path:
