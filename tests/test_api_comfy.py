@@ -397,3 +397,18 @@ def test_an_anonymous_caller_is_refused_where_api_keys_are_set_and_a_callers_pic
             assert requests.get(f"{url}/view", params=image, headers=headers, timeout=10).status_code == found
             history = requests.get(f"{url}/history/{prompt_id}", headers=headers, timeout=10).json()
             assert (prompt_id in history) == (found == 200)
+
+
+def test_an_upload_over_the_pixel_or_body_limit_is_refused_before_it_is_kept_and_the_next_is_served():
+    from tests._api_server import png_claiming
+
+    with TestClient(fake_app(FakeEngine(), max_body_mb=1)) as client:
+        huge = client.post("/upload/image", files={"image": ("huge.png", png_claiming(20000, 20000))})
+        assert huge.status_code == 400 and "image is too large" in huge.text, huge.text
+        assert "huge.png" not in client.get("/object_info/LoadImage").text  # nothing was kept
+        body = client.post("/api/upload/image", files={"image": ("big.png", b"\0" * (2 * 2**20))})
+        assert body.status_code == 413, body.text
+        small = client.post("/upload/image", files={"image": ("cat.png", png(Image.new("RGB", (8, 8))))})
+        assert small.status_code == 200, small.text
+        kept = client.get("/view", params={"filename": small.json()["name"], "type": "input"})
+        assert kept.status_code == 200 and Image.open(io.BytesIO(kept.content)).size == (8, 8)
