@@ -133,6 +133,7 @@ def tables(
     eta: float = 0.0,
     image_tokens: int | None = None,
     uniform_sigmas: bool | str = False,
+    mu: float | None = None,
 ) -> Tables:
     """Host-side schedule for `num_inference_steps`, padded to the static `max_steps`.
 
@@ -143,7 +144,8 @@ def tables(
     one ignore it, as the pipelines do. It changes table values only, never the compiled program.
     The flow kinds read two more: `image_tokens`, the picture's token count a dynamically shifted schedule
     shifts by, and `uniform_sigmas`, the sigmas linspace(1, 1/n, n) that FluxPipeline (True or "numpy") or
-    ZImagePipeline ("torch": torch's float32 linspace) hands its scheduler.
+    ZImagePipeline ("torch": torch's float32 linspace) hands its scheduler, and `mu`, the dynamic shift a pipeline
+    computes itself (Flux2KleinPipeline's, from the token and step counts) in place of the config's `calculate_shift`.
     """
     module, s = get(kind), settings(config, kind)
     n = int(num_inference_steps)
@@ -153,7 +155,7 @@ def tables(
         raise ValueError(f"num_inference_steps {n} exceeds num_train_timesteps {s['num_train_timesteps']}")
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"eta must be between 0 and 1, got {eta}")
-    flow = dict(image_tokens=image_tokens, uniform=uniform_sigmas) if getattr(module, "FLOW", False) else {}
+    flow = dict(image_tokens=image_tokens, uniform=uniform_sigmas, mu=mu) if getattr(module, "FLOW", False) else {}
     sched = module.schedule(s, n, strength, float(eta), **flow)
     signal, noise = sched.signal, sched.noise
     init_noise_sigma, init_signal = sched.init_noise_sigma, 0.0

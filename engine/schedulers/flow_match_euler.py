@@ -94,12 +94,15 @@ def uniform_sigmas(n: int, uniform: bool | str) -> np.ndarray:
     return np.linspace(1.0, 1 / n, n).astype(np.float32)
 
 
-def sigmas_for(s: dict[str, Any], n: int, image_tokens: int | None, uniform: bool | str) -> np.ndarray:
+def sigmas_for(
+    s: dict[str, Any], n: int, image_tokens: int | None, uniform: bool | str, mu: float | None = None
+) -> np.ndarray:
     """The n shifted sigmas of `set_timesteps` (float32, descending), without the terminal 0.
 
     `uniform`: the sigmas a pipeline hands `set_timesteps`, linspace(1, 1/n, n) as `uniform_sigmas` computes them
     (True or "numpy": FluxPipeline's; "torch": ZImagePipeline's); False: the scheduler's own, evenly spaced between
-    its training schedule's first and last sigma.
+    its training schedule's first and last sigma. `mu`: the dynamic shift where the pipeline computes it itself
+    (Flux2KleinPipeline's `compute_empirical_mu`); None: `calculate_shift` from the config and the token count.
     """
     T, shift = s["num_train_timesteps"], s["shift"]
     if uniform:
@@ -111,9 +114,9 @@ def sigmas_for(s: dict[str, Any], n: int, image_tokens: int | None, uniform: boo
         sigma_max, sigma_min = float(train[0]), float(train[-1])
         sigmas = (np.linspace(sigma_max * T, sigma_min * T, n) / T).astype(np.float64)
     if s["use_dynamic_shifting"]:
-        if image_tokens is None:
+        if mu is None and image_tokens is None:
             raise ValueError("a dynamically shifted flow schedule needs the picture's token count")
-        sigmas = _time_shift(s, calculate_shift(s, image_tokens), sigmas)
+        sigmas = _time_shift(s, calculate_shift(s, image_tokens) if mu is None else mu, sigmas)
     else:
         sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
     if s["shift_terminal"]:
@@ -135,9 +138,15 @@ def start_step(n: int, strength: float | None) -> int:
 
 
 def schedule(
-    s: dict[str, Any], n: int, strength: float | None, eta: float, image_tokens: int | None = None, uniform=False
+    s: dict[str, Any],
+    n: int,
+    strength: float | None,
+    eta: float,
+    image_tokens: int | None = None,
+    uniform=False,
+    mu: float | None = None,
 ) -> Schedule:
-    sigmas = sigmas_for(s, n, image_tokens, uniform)
+    sigmas = sigmas_for(s, n, image_tokens, uniform, mu)
     timesteps = (sigmas * np.float32(s["num_train_timesteps"])).astype(np.float32)
     sigmas = np.concatenate([sigmas, np.zeros(1, np.float32)])
     start = start_step(n, strength)
