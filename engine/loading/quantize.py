@@ -9,6 +9,10 @@ every weight. Only large 2-D kernels are replaced; biases, norms, embeddings and
 The quantized tree is data like any other param tree: it is put on the devices as int8 and handed to the jitted
 programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
 where XLA can fuse the convert and the scale into the matmul that reads it.
+
+`quantize_params(mode="w8a8")` quantizes for compute instead: the denoiser's linear and convolution kernels become
+`nn.int8.QuantizedKernel`s (7-bit values per output channel), which the layers keep and multiply in int8 with
+activations quantized per call (engine/nn/int8.py): on a CPU without native bf16, about twice f32's speed.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError
+from ..nn import int8
 
-MODES = ("int8",)  # what `load_pipeline(quantize=...)` takes, besides None
+MODES = ("int8", "w8a8")  # what `load_pipeline(quantize=...)` takes, besides None
+# w8a8 leaves a network's first and last convolutions in float: they carry its input and output at full precision
+# (the UNet's conv_in reads 4 latent channels, conv_out writes them) for a sliver of its products.
+KEEP_FLOAT = ("conv_in", "conv_out")
 # Kernels with fewer entries than this stay as they are: what they would save is nothing, and the smallest layers
 # (a tiny model's, a head of a few outputs) lose the most to one scale per column.
 MIN_SIZE = 1024
@@ -85,19 +93,36 @@ def _quantizable(path: tuple, value: Any, components: set[str], min_size: int) -
     )
 
 
+def _computes_in_int8(path: tuple, value: Any, components: set[str], min_size: int) -> bool:
+    return (
+        path[0] in components
+        and str(path[-1]) == "kernel"
+        and not isinstance(value, Int8Kernel | int8.QuantizedKernel)
+        and len(value.shape) in (2, 4)  # linear layers' [in, out], convolutions' HWIO
+        and math.prod(value.shape) >= min_size
+        and not any(str(part) in KEEP_FLOAT for part in path)
+    )
+
+
 def quantize_params(
-    params: nnx.State, component: str | Sequence[str] = "transformer", min_size: int = MIN_SIZE
+    params: nnx.State, component: str | Sequence[str] = "transformer", min_size: int = MIN_SIZE, mode: str = "int8"
 ) -> nnx.State:
-    """`params` with every linear kernel of `component` (a `Models` attribute: the family's denoiser, or several)
-    of at least `min_size` entries replaced by an `Int8Kernel`; every other leaf is the same object as before."""
+    """`params` with kernels of `component` (a `Models` attribute: the family's denoiser, or several) of at least
+    `min_size` entries quantized; every other leaf is the same object as before. `mode` "int8": each linear kernel
+    becomes an `Int8Kernel` (weight-only: widened inside the program, saves memory); "w8a8": each linear and
+    convolution kernel but the first and last convolutions' becomes an `int8.QuantizedKernel`, which the layers
+    compute with in int8 (engine/nn/int8.py: activations quantized per call; on a CPU, oneDNN's int8 kernels)."""
     components = {component} if isinstance(component, str) else set(component)
     missing = components - set(params.keys())
     if missing:
         raise ConfigError(f"nothing to quantize: no component {sorted(missing)} in {sorted(params.keys())}")
+    if mode not in MODES:
+        raise ConfigError(f"quantize={mode!r} is not one of {', '.join(MODES)}")
+    chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
     flat = list(nnx.to_flat_state(params))
-    chosen = [i for i, (path, var) in enumerate(flat) if _quantizable(path, var.get_value(), components, min_size)]
+    chosen = [i for i, (path, var) in enumerate(flat) if chooses(path, var.get_value(), components, min_size)]
     with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-quantize") as pool:
-        done = dict(zip(chosen, pool.map(lambda i: quantize_kernel(flat[i][1].get_value()), chosen), strict=True))
+        done = dict(zip(chosen, pool.map(lambda i: quantize(flat[i][1].get_value()), chosen), strict=True))
     return nnx.from_flat_state(
         [(path, var.replace(done[i]) if i in done else var) for i, (path, var) in enumerate(flat)]
     )
@@ -131,6 +156,15 @@ def dequantize(params: Any, after: jax.Array | None = None) -> Any:
 
 def is_quantized(params: Any) -> bool:
     return any(_is_int8(x) for x in jax.tree.leaves(params, is_leaf=_is_int8))
+
+
+def _is_w8a8(x: Any) -> bool:
+    return isinstance(x, int8.QuantizedKernel)
+
+
+def computes_in_int8(params: Any) -> bool:
+    """Whether a param tree holds kernels its layers compute with in int8 (`quantize_params(mode="w8a8")`)."""
+    return any(_is_w8a8(x) for x in jax.tree.leaves(params, is_leaf=_is_w8a8))
 
 
 def param_bytes(params: Any) -> int:

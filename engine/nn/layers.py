@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import onednn
+from . import int8, onednn
 from .attention import dot_product_attention, softmax_attention  # noqa: F401 - the text encoder's plain path
 from .token_merging import bipartite_merge
 
@@ -48,9 +48,13 @@ def _inits(*names: str) -> dict:
 
 
 class Linear(nnx.Linear):
-    """`nnx.Linear`, whose parameters and numbers it keeps; a bf16 kernel on the CPU runs in oneDNN (onednn.py)."""
+    """`nnx.Linear`, whose parameters and numbers it keeps; a bf16 kernel on the CPU runs in oneDNN (onednn.py), a
+    quantized one (`int8.QuantizedKernel`, `--quantize w8a8`) in int8 (int8.py)."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.kernel.get_value(), int8.QuantizedKernel):
+            bias = self.bias[...] if self.bias is not None else None
+            return int8.matmul(x, self.kernel.get_value(), bias)
         kernel = self.kernel[...]
         if not onednn.serves(kernel.dtype):
             return super().__call__(x)
@@ -82,7 +86,8 @@ def gathered_conv(backend: str, pixels: int, kernel_bytes: int) -> bool:
 
 class Conv(nnx.Conv):
     """`nnx.Conv`, whose parameters and numbers it keeps; on the CPU a bf16 kernel runs in oneDNN (onednn.py),
-    an f32 one as `gathered_conv` chooses: XLA's convolution or one matrix product."""
+    an f32 one as `gathered_conv` chooses: XLA's convolution or one matrix product; a quantized one
+    (`int8.QuantizedKernel`, `--quantize w8a8`; plain convolutions only) in int8 (int8.py)."""
 
     def __call__(self, x: jax.Array, add: jax.Array | None = None, relu: bool = False) -> jax.Array:
         """[batch, h, w, in] -> [batch, h, w, out]; then + `add` (a residual of the output's shape) and ReLU where
@@ -108,14 +113,15 @@ class Conv(nnx.Conv):
         """Nearest-neighbour 2x upsampling of x, then this convolution. A 3x3 one with padding 1 on the bf16 CPU path
         runs as four 2x2 convolutions over x itself (`onednn.upsample_conv`: 16/36 of the products, no upsampled x
         written; SD-Turbo's UNet step -35 ms); any other upsamples first."""
-        kernel = self.kernel[...]
+        kernel = self.kernel.get_value()
         plain = (
             self._plain()
             and self.kernel_size == (3, 3)
             and self.strides in (None, 1, (1, 1))
             and tuple(map(tuple, self.padding)) == ((1, 1), (1, 1))
         )
-        if plain and kernel.dtype == jnp.bfloat16 and onednn.serves(kernel.dtype):  # phase kernels in bf16 only
+        bf16 = getattr(kernel, "dtype", None) == jnp.bfloat16  # an int8 kernel upsamples first
+        if plain and bf16 and onednn.serves(kernel.dtype):  # phase kernels in bf16 only
             bias = self.bias[...] if self.bias is not None else None
             return onednn.upsample_conv(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
         return self(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
@@ -124,10 +130,15 @@ class Conv(nnx.Conv):
         """oneDNN's convolution with its post-ops (an array), or XLA's alone (a 1-tuple)."""
         kh, kw = self.kernel_size
         b, h, w, c = x.shape
+        strides = (1, 1) if self.strides is None else tuple(np.broadcast_to(self.strides, 2).tolist())
+        if isinstance(self.kernel.get_value(), int8.QuantizedKernel):
+            if not self._plain():
+                raise ValueError("int8 convolutions take no dilation, groups or padding by name")
+            bias = self.bias[...] if self.bias is not None else None
+            return (int8.conv(x, self.kernel.get_value(), bias, strides, tuple(map(tuple, self.padding))),)
         kernel = self.kernel[...]
         if self._plain() and onednn.serves(kernel.dtype):
             bias = self.bias[...] if self.bias is not None else None
-            strides = (1, 1) if self.strides is None else tuple(np.broadcast_to(self.strides, 2).tolist())
             out_dtype = jnp.result_type(x.dtype, kernel.dtype)
             return onednn.conv(x, kernel, bias, strides, tuple(map(tuple, self.padding)), out_dtype, add, relu)
         gathered = (

@@ -379,6 +379,15 @@ ffi::Error UpsampleConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuf
 
 }  // namespace
 
+namespace jax_sd {
+
+std::shared_ptr<void> kept_reordered(const void* buffer, size_t bytes, const memory::desc& given,
+                                     const memory::desc& want, dnnl::stream& stream) {
+  return kept(buffer, bytes, given, want, stream);
+}
+
+}  // namespace jax_sd
+
 // The caller promises that each of these `count` buffers (with its byte size) stays allocated and unchanged until
 // it unpins it: the convolution and matmul kernels they hold are kept reordered from their first call on.
 extern "C" void OnednnPin(const void* const* buffers, const int64_t* sizes, int64_t count) {

@@ -59,4 +59,9 @@ dnnl::matmul::primitive_desc matmul_pd(const dnnl::memory::desc& x, const dnnl::
 
 xla::ffi::Error failed(const char* what);
 
+// The kernel at `buffer` (`bytes` long, laid out as `given`) in the layout `want`: reordered at its first call and
+// kept where the buffer is pinned (`OnednnPin`), else null (the caller reorders it into a buffer of its own).
+std::shared_ptr<void> kept_reordered(const void* buffer, size_t bytes, const dnnl::memory::desc& given,
+                                     const dnnl::memory::desc& want, dnnl::stream& stream);
+
 }  // namespace jax_sd

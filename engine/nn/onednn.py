@@ -13,7 +13,7 @@ transformer blocks' exact-GELU gate). `upsample_conv` runs a nearest 2x upsampli
 reordered into oneDNN's layout once, at their first call, instead of at every call.
 
 The handlers (`onednn.cc`: matmul, convolutions, pinning; `attention.cc`; `cpu_loops.cc`: our own vector loops;
-`onednn.h`: what they share) are compiled once per source, jaxlib, oneDNN and compiler with the host's C++ compiler
+`int8.cc`: int8 convolutions, for int8.py; `onednn.h`: what they share) are compiled once per source, jaxlib, oneDNN and compiler with the host's C++ compiler
 (`-Wall -Werror`; a build past JAX_SD_KERNEL_BUILD_TIMEOUT is stopped, and a failed one is remembered beside the
 library, not retried at every start) into JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's
 oneDNN (Debian: `libdnnl-dev`; DNNL_ROOT names another install). They are built where a network would use them
@@ -49,11 +49,14 @@ from .. import cpus
 log = logging.getLogger(__name__)
 
 SWITCH = "JAX_SD_ONEDNN"  # "0": never use oneDNN, whatever the host has; "1": f32 layers through it too
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn.cc", "attention.cc", "cpu_loops.cc"))  # one library
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("onednn.cc", "attention.cc", "cpu_loops.cc", "int8.cc")
+)  # one library
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loops.h"))
 MATMUL, CONV, ATTENTION = "jax_sd_onednn_matmul", "jax_sd_onednn_conv", "jax_sd_onednn_attention"
 GROUP_NORM, GEGLU = "jax_sd_onednn_group_norm", "jax_sd_onednn_geglu"
 UPSAMPLE_CONV = "jax_sd_onednn_upsample_conv"
+INT8_CONV = "jax_sd_onednn_int8_conv"
 
 
 NO_NATIVE_BF16 = (
@@ -237,6 +240,7 @@ def registered() -> bool:
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(found.OnednnAttention), platform="cpu")
     jax.ffi.register_ffi_target(GROUP_NORM, jax.ffi.pycapsule(found.OnednnGroupNorm), platform="cpu")
     jax.ffi.register_ffi_target(GEGLU, jax.ffi.pycapsule(found.OnednnGeglu), platform="cpu")
+    jax.ffi.register_ffi_target(INT8_CONV, jax.ffi.pycapsule(found.OnednnInt8Conv), platform="cpu")
     return True
 
 
@@ -436,3 +440,13 @@ def geglu(y: jax.Array) -> jax.Array:
     flat = y.reshape(-1, 2 * n)
     call = jax.ffi.ffi_call(GEGLU, jax.ShapeDtypeStruct((flat.shape[0], n), y.dtype), vmap_method="sequential")
     return call(flat).reshape(*y.shape[:-1], n)
+
+
+def int8_conv(q: jax.Array, values: jax.Array, strides: tuple[int, int]) -> jax.Array:
+    """The exact int32 sums of u8 NHWC q (padded already) times an s8 HWIO kernel with values in [-63, 63], no
+    padding (`Int8ConvImpl`; int8.py quantizes and pads around it)."""
+    b, h, w, _ = q.shape
+    kh, kw, _, out = values.shape
+    shape = (b, (h - kh) // strides[0] + 1, (w - kw) // strides[1] + 1, out)
+    call = jax.ffi.ffi_call(INT8_CONV, jax.ShapeDtypeStruct(shape, jnp.int32), vmap_method="sequential")
+    return call(q, values, strides=np.asarray(strides, np.int64))

@@ -118,7 +118,9 @@ def load_pipeline(
     diffusers-format ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`:
     name -> LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
     `quantize`: "int8" keeps the denoiser's large linear kernels as int8 with one scale per output channel
-    (engine/loading/quantize.py: about half their bf16 memory), or None; not with LoRAs, which merge into kernels.
+    (engine/loading/quantize.py: about half their bf16 memory); "w8a8" computes the denoiser's linear layers and
+    convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU about twice f32's speed); or None; not with LoRAs,
+    which merge into kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
@@ -158,7 +160,9 @@ def load_pipeline(
         model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
-        model = dataclasses.replace(model, params=quantize_params(model.params, FAMILIES[model.family].denoiser))
+        model = dataclasses.replace(
+            model, params=quantize_params(model.params, FAMILIES[model.family].denoiser, mode=quantize)
+        )
     checker = None
     if safety_checker:
         from ..loading.safety import load_safety_checker

@@ -1,0 +1,164 @@
+"""int8 compute against f32 at SD-Turbo's UNet shapes (512x512, one image), on a CPU without native bf16.
+
+The UNet step is ~0.9 TFLOP, and a Zen 3 core pair computes f32 at ~0.2 TFLOP/s at best: only int8 (AVX2's
+vpmaddubsw, twice f32's multiply-adds per cycle) can take a step under that bound. Three systems per shape, each one
+jitted call with its kernel as an argument, as the engine passes its params:
+- `f32`: XLA's f32, as `layers.Conv` and `layers.Linear` run it today (a convolution as `layers.gathered_conv`
+  chooses);
+- `xla8`: XLA's own int8, `lax.conv_general_dilated` / `lax.dot_general` on s8 x s8 -> s32 (symmetric per-tensor
+  activations, per-channel weights), the activations' quantization and the dequantization inside the timing;
+- `dnnl8`: engine/nn/int8.py's path, oneDNN's u8 x s8 -> s32 kernels (int8.cc; a linear layer as a 1x1
+  convolution) with the kernel pinned (reordered once, as an `Engine` pins its params), the dynamic per-tensor
+  quantization of the activations (u8 with a zero point), the padding and the dequantization inside the timing.
+Best of `--rounds`; the systems take turns within a round, so a busy minute slows one round, not one system. The
+machine this runs on is usually shared: the ratios are what it says, measured on loaded cores.
+
+    python bench/kernels_int8.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# (batch, h, w, in, out, kernel): the UNet's 3x3 convolutions at its four levels, a 1x1 shortcut
+CONVS = [
+    (1, 64, 64, 320, 320, 3),
+    (1, 32, 32, 640, 640, 3),
+    (1, 16, 16, 1280, 1280, 3),
+    (1, 8, 8, 1280, 1280, 3),
+    (1, 32, 32, 320, 640, 1),
+]
+# (M, K, N): attention's projections, GEGLU's in and the feed-forward's out at each level with attention
+MATMULS = [
+    (4096, 320, 320),
+    (4096, 320, 2560),
+    (4096, 1280, 320),
+    (1024, 640, 640),
+    (1024, 640, 5120),
+    (1024, 2560, 640),
+    (256, 1280, 1280),
+    (256, 1280, 10240),
+    (256, 5120, 1280),
+]
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx_vnni", "avx512_vnni", "amx_int8")
+
+
+def cpu_line() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    have = " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in FLAGS)
+    return f"{model} ({platform.machine()}), {len(os.sched_getaffinity(0))} cores: {have}"
+
+
+def timed_ms(fn, args, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    out.block_until_ready()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=3, help="calls timed per round")
+    parser.add_argument("--only", default="", help="only the shapes whose name holds this (e.g. 'conv 3x3 64x64')")
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax import lax
+
+    from engine.nn import int8, layers, onednn
+
+    if not onednn.registered():  # built whatever the CPU
+        sys.exit("the oneDNN kernels are not built here (the log says why)")
+    print(cpu_line())
+    print(f"load average {os.getloadavg()[0]:.2f}: the machine is shared and was not quiet; best of {args.rounds}")
+
+    def xla8_conv(x, values, scale, bias, strides, padding):
+        """XLA's int8: symmetric per-tensor s8 activations, s8 x s8 -> s32, dequantized with the bias."""
+        step = jnp.maximum(jnp.max(jnp.abs(x)), 1e-30) / 127.0
+        q = jnp.clip(jnp.round(x / step), -127, 127).astype(jnp.int8)
+        acc = lax.conv_general_dilated(q, values, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                       preferred_element_type=jnp.int32)  # fmt: skip
+        return acc.astype(jnp.float32) * (step * scale) + bias
+
+    def xla8_matmul(x, values, scale, bias):
+        step = jnp.maximum(jnp.max(jnp.abs(x)), 1e-30) / 127.0
+        q = jnp.clip(jnp.round(x / step), -127, 127).astype(jnp.int8)
+        acc = lax.dot_general(q, values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc.astype(jnp.float32) * (step * scale) + bias
+
+    cases = []  # (name, gflop, {system: (fn, args)}, kernel values to pin)
+    key = jax.random.key(0)
+    for b, h, w, cin, cout, k in CONVS:
+        layer = layers.conv(cin, cout, k, nnx.Rngs(0))
+        x = jax.random.normal(key, (b, h, w, cin))
+        kernel, bias = layer.kernel[...], layer.bias[...]
+        pad = ((k // 2, k // 2),) * 2
+        quantized = int8.quantize_kernel(kernel)
+        graph, state = nnx.split(layer)
+        systems = {
+            "f32": (jax.jit(lambda x, state, graph=graph: nnx.merge(graph, state)(x)), (x, state)),
+            "xla8": (jax.jit(lambda x, v, s, b, pad=pad: xla8_conv(x, v, s, b, (1, 1), pad)),
+                     (x, quantized.values, quantized.scale, bias)),
+            "dnnl8": (jax.jit(lambda x, q, b, pad=pad: int8.conv(x, q, b, (1, 1), pad)), (x, quantized, bias)),
+        }  # fmt: skip
+        gflop = 2 * b * h * w * cin * cout * k * k / 1e9
+        cases.append((f"conv {k}x{k} {h}x{w} {cin}->{cout}", gflop, systems, quantized.values))
+    for m, kk, n in MATMULS:
+        layer = layers.linear(kk, n, nnx.Rngs(0))
+        x = jax.random.normal(key, (m, kk))
+        kernel, bias = layer.kernel[...], layer.bias[...]
+        quantized = int8.quantize_kernel(kernel)
+        graph, state = nnx.split(layer)
+        systems = {
+            "f32": (jax.jit(lambda x, state, graph=graph: nnx.merge(graph, state)(x)), (x, state)),
+            "xla8": (jax.jit(xla8_matmul), (x, quantized.values, quantized.scale, bias)),
+            "dnnl8": (jax.jit(int8.matmul), (x, quantized, bias)),
+        }
+        cases.append((f"matmul {m}x{kk}x{n}", 2 * m * kk * n / 1e9, systems, quantized.values))
+
+    print(f"{'shape':28} {'GFLOP':>6} {'f32 ms':>8} {'xla8 ms':>8} {'dnnl8 ms':>9} {'f32/xla8':>9} {'f32/dnnl8':>9}")
+    totals = {"f32": 0.0, "xla8": 0.0, "dnnl8": 0.0}
+    for name, gflop, systems, values in cases:
+        if args.only not in name:
+            continue
+        pinned = onednn.pin({"kernel": values}, dtypes=(jnp.int8,))
+        try:
+            for fn, call_args in systems.values():
+                fn(*call_args).block_until_ready()  # compiled; oneDNN's primitive made, the pinned kernel reordered
+            best = dict.fromkeys(systems, float("inf"))
+            for _ in range(args.rounds):
+                for system, (fn, call_args) in systems.items():
+                    best[system] = min(best[system], timed_ms(fn, call_args, args.calls))
+        finally:
+            pinned.release()
+        for system in totals:
+            totals[system] += best[system]
+        print(
+            f"{name:28} {gflop:6.2f} {best['f32']:8.2f} {best['xla8']:8.2f} {best['dnnl8']:9.2f} "
+            f"{best['f32'] / best['xla8']:8.2f}x {best['f32'] / best['dnnl8']:8.2f}x   "
+            f"({gflop / best['f32'] * 1e3:.0f} / {gflop / best['xla8'] * 1e3:.0f} / "
+            f"{gflop / best['dnnl8'] * 1e3:.0f} GFLOP/s)",
+            flush=True,
+        )
+    print(
+        f"{'all shapes above, summed':28} {'':6} {totals['f32']:8.1f} {totals['xla8']:8.1f} {totals['dnnl8']:9.1f} "
+        f"{totals['f32'] / totals['xla8']:8.2f}x {totals['f32'] / totals['dnnl8']:8.2f}x"
+    )
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
