@@ -99,7 +99,7 @@ def main() -> None:
         acc = lax.dot_general(q, values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * (step * scale) + bias
 
-    cases = []  # (name, gflop, {system: (fn, args)}, kernel values to pin)
+    cases = []  # (name, gflop, {system: (fn, args)}, the quantized kernel to pin)
     key = jax.random.key(0)
     for b, h, w, cin, cout, k in CONVS:
         layer = layers.conv(cin, cout, k, nnx.Rngs(0))
@@ -115,7 +115,7 @@ def main() -> None:
             "dnnl8": (jax.jit(lambda x, q, b, pad=pad: int8.conv(x, q, b, (1, 1), pad)), (x, quantized, bias)),
         }  # fmt: skip
         gflop = 2 * b * h * w * cin * cout * k * k / 1e9
-        cases.append((f"conv {k}x{k} {h}x{w} {cin}->{cout}", gflop, systems, quantized.values))
+        cases.append((f"conv {k}x{k} {h}x{w} {cin}->{cout}", gflop, systems, quantized))
     for m, kk, n in MATMULS:
         layer = layers.linear(kk, n, nnx.Rngs(0))
         x = jax.random.normal(key, (m, kk))
@@ -127,14 +127,14 @@ def main() -> None:
             "xla8": (jax.jit(xla8_matmul), (x, quantized.values, quantized.scale, bias)),
             "dnnl8": (jax.jit(int8.matmul), (x, quantized, bias)),
         }
-        cases.append((f"matmul {m}x{kk}x{n}", 2 * m * kk * n / 1e9, systems, quantized.values))
+        cases.append((f"matmul {m}x{kk}x{n}", 2 * m * kk * n / 1e9, systems, quantized))
 
     print(f"{'shape':28} {'GFLOP':>6} {'f32 ms':>8} {'xla8 ms':>8} {'dnnl8 ms':>9} {'f32/xla8':>9} {'f32/dnnl8':>9}")
     totals = {"f32": 0.0, "xla8": 0.0, "dnnl8": 0.0}
-    for name, gflop, systems, values in cases:
+    for name, gflop, systems, quantized in cases:
         if args.only not in name:
             continue
-        pinned = onednn.pin({"kernel": values}, dtypes=(jnp.int8,))
+        pinned = onednn.pin({"kernel": quantized})  # its int8 values, reordered once
         try:
             for fn, call_args in systems.values():
                 fn(*call_args).block_until_ready()  # compiled; oneDNN's primitive made, the pinned kernel reordered

@@ -176,3 +176,25 @@ def test_w8a8_pictures_stay_near_the_f32_ones():
     assert want.std() > 0.02  # a picture, not a flat field
     assert psnr > PSNR_BOUND
     assert np.abs(got - want).max() > 0  # computed in int8: not the f32 arrays by accident
+    by = "oneDNN's int8 kernels" if onednn.registered() else "XLA"
+    assert quantized.compute_path.startswith(f"float32, the denoiser's products in int8 (w8a8) by {by}")
+    assert "int8" not in plain.compute_path
+
+
+def test_pinned_int8_kernels_are_reordered_once_and_give_the_same_sums():
+    _onednn_or_skip()
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 12, 12, 64)).astype(np.float32))
+    kernel = jax.tree.map(jnp.asarray, int8.quantize_kernel(rng.standard_normal((3, 3, 64, 32)).astype(np.float32)))
+    run = jax.jit(lambda x, k: int8.conv(x, k, None, (1, 1), ((1, 1), (1, 1))))
+    want = np.asarray(run(x, kernel))  # reordered at the call
+    before = onednn.reordered_bytes()
+    pinned = onednn.pin({"unet": {"kernel": kernel}})
+    try:
+        assert len(pinned.buffers) == 1  # the int8 values; not their scales or sums
+        np.testing.assert_array_equal(np.asarray(run(x, kernel)), want)
+        assert onednn.reordered_bytes() - before >= kernel.values.nbytes  # kept in oneDNN's layout
+        np.testing.assert_array_equal(np.asarray(run(x, kernel)), want)
+    finally:
+        pinned.release()
+    assert onednn.reordered_bytes() == before

@@ -278,11 +278,20 @@ def serves(kernel_dtype) -> bool:
     return kernels_for(name) and registered()
 
 
-def compute_path(dtype: str, backend: str | None = None) -> str:
+def compute_path(dtype: str, backend: str | None = None, int8: bool = False) -> str:
     """For people: the networks' dtype and what computes their products on this host, in one line, such as
     "bfloat16, oneDNN's bf16 kernels (avx512_bf16)", "float32, XLA (avx2)" or "bfloat16, XLA (avx2, no native bf16:
-    slower than float32 here)". `backend`: JAX's default backend (asked of JAX when None)."""
+    slower than float32 here)". `backend`: JAX's default backend (asked of JAX when None). `int8`: the denoiser
+    computes in int8 (`--quantize w8a8`), which the line names first: "float32, the denoiser's products in int8
+    (w8a8) by oneDNN's int8 kernels (avx2)", or "... by XLA" where the kernels are not loaded."""
     backend = backend or jax.default_backend()
+    if int8:
+        by = (
+            f"oneDNN's int8 kernels ({vector_isa() or platform.machine()})"
+            if backend == "cpu" and registered()
+            else "XLA"
+        )
+        return f"{dtype}, the denoiser's products in int8 (w8a8) by {by}"
     if backend != "cpu":
         return f"{dtype}, XLA on {backend}"
     isa = vector_isa() or platform.machine()
@@ -312,7 +321,7 @@ class Pinned:
         """Frees the reordered kernels; the arrays go back to their owner's keeping. Idempotent."""
         if self.buffers:
             n = len(self.buffers)
-            library().OnednnUnpin((ctypes.c_void_p * n)(*self.buffers), ctypes.c_int64(n))
+            handlers().OnednnUnpin((ctypes.c_void_p * n)(*self.buffers), ctypes.c_int64(n))
         self.arrays, self.buffers = [], []
 
 
@@ -322,32 +331,44 @@ def pin(params, dtypes: tuple | None = None) -> Pinned:
     2 Zen 4 cores: SD-Turbo's UNet step 1.21 -> 1.10 s from the convolutions, a 77-token linear layer of the text
     encoder 0.78 -> 0.63 ms). The returned `Pinned` holds the arrays, so that no other array can take their buffers
     while oneDNN trusts them; `release()` it when the params are no longer served. The reordered copies cost as much
-    memory as the kernels (SD-Turbo's UNet: 1.7 GB). A tree with no such kernel, or where oneDNN is off, pins
+    memory as the kernels (SD-Turbo's UNet: 1.7 GB). The int8 values of `int8.QuantizedKernel`s are pinned too,
+    wherever the handlers load (int8.py computes with them on any x86-64 CPU; SD-Turbo's 16x16 1280->1280
+    convolution 136 -> 87 ms on 2 loaded Zen 3 cores). A tree with no such kernel, or where oneDNN is off, pins
     nothing."""
-    kernels = [
+    from .int8 import QuantizedKernel  # int8.py calls this module's kernels
+
+    def quantized(leaf) -> bool:
+        return isinstance(leaf, QuantizedKernel)
+
+    leaves = jax.tree.leaves(params, is_leaf=quantized)
+    values = [leaf.values for leaf in leaves if quantized(leaf) and isinstance(leaf.values, jax.Array)]
+    served = [
         leaf
-        for leaf in jax.tree.leaves(params)
+        for leaf in leaves
         if isinstance(leaf, jax.Array)
         and leaf.ndim in (2, 4)
         and (leaf.dtype in dtypes if dtypes is not None else serves(leaf.dtype))
     ]
-    if not kernels or jax.default_backend() != "cpu" or not available():
+    if jax.default_backend() != "cpu":
+        return Pinned([], [])
+    kernels = (values if values and registered() else []) + (served if served and available() else [])
+    if not kernels:
         return Pinned([], [])
     shards = [shard.data for array in kernels for shard in array.addressable_shards if shard.device.platform == "cpu"]
     buffers = [shard.unsafe_buffer_pointer() for shard in shards]
     sizes = [shard.nbytes for shard in shards]
     n = len(buffers)
-    library().OnednnPin((ctypes.c_void_p * n)(*buffers), (ctypes.c_int64 * n)(*sizes), ctypes.c_int64(n))
+    handlers().OnednnPin((ctypes.c_void_p * n)(*buffers), (ctypes.c_int64 * n)(*sizes), ctypes.c_int64(n))
     return Pinned(kernels, buffers)
 
 
 def reordered_bytes() -> int:
     """Bytes of reordered kernels oneDNN keeps for pinned params (0 where the kernels are off)."""
-    handlers = library()
-    if handlers is None:
+    found = handlers()
+    if found is None:
         return 0
-    handlers.OnednnPackedBytes.restype = ctypes.c_int64
-    return int(handlers.OnednnPackedBytes())
+    found.OnednnPackedBytes.restype = ctypes.c_int64
+    return int(found.OnednnPackedBytes())
 
 
 def _bias(bias: jax.Array | None, features: int) -> jax.Array:

@@ -29,6 +29,7 @@ from ..errors import InvalidRequest
 from ..families import FAMILIES
 from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
+from ..loading.quantize import computes_in_int8
 from ..loading.upscaler_folder import UpscalerFolder
 from ..nn import onednn
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
@@ -120,11 +121,11 @@ class Engine:
         self._lanes = NamedSharding(self.mesh, P(pairs.DATA))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
-        self._pinned = onednn.pin(self.params)  # kernels oneDNN serves on the CPU: reordered once
+        self._pinned = onednn.pin(self.params)  # kernels oneDNN serves on the CPU, int8 ones too: reordered once
         self.dtype = _run_dtype(self.params)  # "float32", "bfloat16" or "float16": the networks' own
         # For people (the page's details, the APIs' options): the dtype and what computes the products here.
         platform = self._devices[0].platform
-        self.compute_path = onednn.compute_path(self.dtype, platform)
+        self.compute_path = onednn.compute_path(self.dtype, platform, int8=computes_in_int8(self.params))
         slow = onednn.slow_half(self.dtype, platform)
         log.log(logging.WARNING if slow else logging.INFO, "compute path: %s", self.compute_path)
         self.loras = ServedLoRAs(loras or {}, replicated, keep=max_live_plans)  # see engine/lora_serving.py
