@@ -78,8 +78,8 @@ def run_reference(reference, scheduler, guidance, latents, seeds, steps, prompt,
             num_inference_steps=steps,
             guidance_scale=guidance,
             latents=torch.from_numpy(latents),
-            height=SIZE,
-            width=SIZE,
+            height=latents.shape[2] * 8,  # the size the latents are for (SIZE in this file)
+            width=latents.shape[3] * 8,
             num_images_per_prompt=latents.shape[0],
             output_type="np",
         ).images
