@@ -17,12 +17,16 @@ from test_pipeline import SIZE, TOLERANCE, run_reference
 
 from engine.sampling import pairs
 
-# (variant, scheduler, guidance, images): what each image's UNet rows become on its pair.
+ODD = 72  # pixels: 9 latent rows, which a pair splits unevenly
+
+# (variant, scheduler, guidance, images, height): what each image's UNet rows become on its pair.
 CASES = [
-    ("sd1", "pndm", 6.0, 1),  # a guided image: its two halves, one on each device
-    ("sd1", "euler_a", 6.0, 3),  # two images on the first pair, one on the second
-    ("sd1", "ddim", 1.0, 1),  # guidance off, one row: split by latent rows
-    ("turbo", "euler", 0.0, 2),  # one row on each pair, split by latent rows
+    ("sd1", "pndm", 6.0, 1, SIZE),  # a guided image: its two halves, one on each device
+    ("sd1", "euler_a", 6.0, 3, SIZE),  # two images on the first pair, one on the second
+    # Guidance off, one row: split by latent rows, an odd number of them (72 pixels: 9), unevenly. The same
+    # programs as the odd-rows run below, which draws two images: one compile serves both.
+    ("sd1", "ddim", 1.0, 1, ODD),
+    ("turbo", "euler", 0.0, 2, SIZE),  # one row on each pair, split by latent rows
 ]
 PROMPT, NEGATIVE, STEPS = "a red circle on a blue background", "blurry photo", 3
 
@@ -31,26 +35,25 @@ import json
 import numpy as np
 import jax
 from PIL import Image
-from engine import load_pipeline
+from engine import enable_compile_cache, load_pipeline
 
+# The session's compile cache (JAX_SD_CACHE_DIR): plans that differ only in the scheduler, the guidance or the mode
+# share their decode program, which is then loaded, not compiled again.
+enable_compile_cache()
 cases, folders = json.loads({cases!r}), json.loads({folders!r})
-engines = {{}}
-for variant, scheduler, guidance, images in cases:
-    if variant not in engines:
-        paired = load_pipeline(folders[variant], core_pairs=True, previews=False)
-        one = load_pipeline(folders[variant], devices=jax.devices()[:1], core_pairs=False, previews=False)
-        engines[variant] = paired, one
-    paired, one = engines[variant]
-    assert paired.devices == ["cpu:0+1", "cpu:2+3"], paired.devices
-    latents = np.load(OUT / f"latents-{{images}}.npy")
+paired = {{variant: load_pipeline(folder, core_pairs=True, previews=False) for variant, folder in folders.items()}}
+for variant, scheduler, guidance, images, height in cases:
+    assert paired[variant].devices == ["cpu:0+1", "cpu:2+3"], paired[variant].devices
+    latents = np.load(OUT / f"latents-{{images}}-{{height}}.npy")
     settings = dict(negative_prompt={negative!r}, seed=7, num_inference_steps={steps}, guidance_scale=guidance,
-                    height={size}, width={size}, num_images=images, scheduler=scheduler, latents=latents)
-    got = paired.generate({prompt!r}, **settings)
-    assert set(got.devices) <= set(paired.devices), got.devices
+                    height=height, width={size}, num_images=images, scheduler=scheduler, latents=latents)
+    got = paired[variant].generate({prompt!r}, **settings)
+    assert set(got.devices) <= set(paired[variant].devices), got.devices
     np.save(OUT / f"{{variant}}-{{scheduler}}-{{images}}.npy", got.arrays)
 
 # Starting from a picture, and repainting half of it: the source's VAE encode and the blend, paired.
-paired, one = engines["sd1"]
+paired = paired["sd1"]
+one = load_pipeline(folders["sd1"], devices=jax.devices()[:1], core_pairs=False, previews=False)
 rng = np.random.default_rng(5)
 picture = Image.fromarray(rng.integers(0, 256, ({size}, {size}, 3), dtype=np.uint8))
 mask = Image.fromarray(np.where(np.arange({size})[None, :] < {size} // 2, 255, 0).astype(np.uint8).repeat({size}, 0))
@@ -59,8 +62,8 @@ for name, extra in (("img2img", {{}}), ("inpaint", {{"mask_image": mask}})):
     np.save(OUT / f"{{name}}-paired.npy", paired.generate({prompt!r}, **settings).arrays)
     np.save(OUT / f"{{name}}-one.npy", one.generate({prompt!r}, **settings).arrays)
 
-# An odd number of latent rows (72 pixels: 9), split unevenly; guidance off, so the UNet is split by rows too.
-odd = dict(seed=5, num_inference_steps=3, guidance_scale=1.0, num_images=2, height=72, width={size})
+# An odd number of latent rows, split unevenly; guidance off, so the UNet is split by rows too.
+odd = dict(seed=5, num_inference_steps=3, guidance_scale=1.0, num_images=2, height={odd}, width={size}, scheduler="ddim")
 np.save(OUT / "odd-rows-paired.npy", paired.generate({prompt!r}, **odd).arrays)
 np.save(OUT / "odd-rows-one.npy", one.generate({prompt!r}, **odd).arrays)
 """
@@ -76,9 +79,9 @@ def split_run(tmp_path_factory):
         references[variant] = tiny_pipeline.write(variant, folder)
         references[variant].saved_scheduler_config = references[variant].scheduler.config
         folders[variant] = str(folder)
-    for images in {case[3] for case in CASES}:
-        rng = np.random.default_rng(images)
-        np.save(out / f"latents-{images}.npy", rng.standard_normal((images, 4, SIZE // 8, SIZE // 8)).astype("f4"))
+    for images, height in {case[3:] for case in CASES}:
+        latents = np.random.default_rng(images).standard_normal((images, 4, height // 8, SIZE // 8))
+        np.save(out / f"latents-{images}-{height}.npy", latents.astype("f4"))
     code = SPLIT.format(
         cases=json.dumps(CASES),
         folders=json.dumps(folders),
@@ -86,15 +89,16 @@ def split_run(tmp_path_factory):
         negative=NEGATIVE,
         steps=STEPS,
         size=SIZE,
+        odd=ODD,
     )
     run_with_devices(4, code, out, timeout=600)
     return out, references
 
 
-@pytest.mark.parametrize("variant, scheduler, guidance, images", CASES)
-def test_paired_devices_draw_what_diffusers_draws(split_run, variant, scheduler, guidance, images):
+@pytest.mark.parametrize("variant, scheduler, guidance, images, height", CASES)
+def test_paired_devices_draw_what_diffusers_draws(split_run, variant, scheduler, guidance, images, height):
     out, references = split_run
-    latents = np.load(out / f"latents-{images}.npy")
+    latents = np.load(out / f"latents-{images}-{height}.npy")
     seeds = [7 + k for k in range(images)]
     want = run_reference(references[variant], scheduler, guidance, latents, seeds, STEPS, PROMPT, NEGATIVE)
     got = np.load(out / f"{variant}-{scheduler}-{images}.npy")
@@ -160,6 +164,6 @@ def test_core_pairs_need_an_even_number_of_cpu_devices():
 def test_paired_devices_split_an_odd_number_of_latent_rows_as_one_device_draws(split_run):
     out, _ = split_run
     paired, one = np.load(out / "odd-rows-paired.npy"), np.load(out / "odd-rows-one.npy")
-    assert paired.shape == (2, 72, SIZE, 3)
+    assert paired.shape == (2, ODD, SIZE, 3)
     np.testing.assert_allclose(paired, one, atol=1e-4)
     assert paired.std() > 0.01
