@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     log.setLevel(logging.INFO)
 
     dtype = None if args.dtype == "auto" else args.dtype
-    engine.pair_cores(dtype)  # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
+    # two CPU devices per image on a CPU host (engine/sampling/pairs.py), before JAX starts
+    engine.pair_cores(dtype, int8=args.quantize == "w8a8")
     engine.keep_freed_memory()  # XLA's CPU temporaries reused, not mapped afresh at every call (before JAX starts)
     engine.enable_compile_cache()
     started = time.perf_counter()

@@ -198,3 +198,20 @@ def test_pinned_int8_kernels_are_reordered_once_and_give_the_same_sums():
     finally:
         pinned.release()
     assert onednn.reordered_bytes() == before
+
+
+def test_w8a8_through_onednn_asks_for_no_core_pairs(monkeypatch):
+    from engine.sampling import pairs
+
+    environ = {}  # this process's own environment stays as it is
+    monkeypatch.setattr(pairs.os, "environ", environ)
+    monkeypatch.setattr(pairs, "backends_started", lambda: False)
+    monkeypatch.setattr(pairs.cpus, "fit_threads", lambda: None)
+    monkeypatch.setattr(pairs.cpus, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(pairs.onednn, "cpu_dtype", lambda: "float32")
+    monkeypatch.setattr(pairs.onednn, "handlers", lambda: object())  # the kernels load
+    assert pairs.pair_cores(int8=True) is False and not environ
+    assert pairs.pair_cores() is True  # f32 in XLA: a pair
+    environ.clear()
+    monkeypatch.setattr(pairs.onednn, "handlers", lambda: None)  # no kernels: XLA's own int8 takes a pair
+    assert pairs.pair_cores(int8=True) is True

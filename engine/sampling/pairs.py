@@ -17,8 +17,9 @@ split (the text encoders at admission, the scheduler's arithmetic) runs whole on
 
 `pair_cores()` asks XLA for the two devices; it must run before JAX starts its backend (the app and
 the command line call it first thing). Without it, or off the CPU, nothing here changes a program. Where the
-networks run in bf16 through oneDNN (`engine/nn/onednn.py`), it asks for none: oneDNN keeps every core busy
-within each call, and XLA would run the replicated custom calls once on each device of a pair.
+networks run in bf16 through oneDNN (`engine/nn/onednn.py`), or the denoiser in its int8 kernels (`--quantize
+w8a8`, engine/nn/int8.py), it asks for none: oneDNN keeps every core busy within each call, and XLA would run the
+replicated custom calls once on each device of a pair.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 SWITCH = "JAX_SD_CORE_PAIRS"  # "0": never; "1": on (set by pair_cores, inherited by child processes)
 
 
-def pair_cores(dtype: str | None = None) -> bool:
+def pair_cores(dtype: str | None = None, int8: bool = False) -> bool:
     """Asks XLA for two CPU devices where that helps: a host with 2 or more cores, the CPU platform, no
     device count chosen already, JAX_SD_CORE_PAIRS not "0", and networks that XLA runs itself (`dtype`, the
-    engine's: None for JAX_SD_DTYPE or the host's choice; bf16 through oneDNN takes no pair). Call before JAX
+    engine's: None for JAX_SD_DTYPE or the host's choice; bf16 through oneDNN takes no pair, nor a denoiser
+    computing in oneDNN's int8 kernels, `int8`: `--quantize w8a8`, whose calls keep every core busy as well). Call before JAX
     starts its backends: it also sizes the process's thread pools to its CPU quota first (`cpus.fit_threads`).
     Returns whether this process runs core pairs (`asked()`)."""
     if not backends_started():
@@ -49,7 +51,7 @@ def pair_cores(dtype: str | None = None) -> bool:
     if os.environ.get(SWITCH) == "0" or DEVICE_COUNT_FLAG in flags or "cpu" not in platforms.split(","):
         return asked()
     dtype = dtype or os.environ.get("JAX_SD_DTYPE") or onednn.cpu_dtype()
-    if onednn.kernels_for(dtype):
+    if onednn.kernels_for(dtype) or (int8 and onednn.handlers() is not None):
         return False
     if cpus.usable_cpus() < 2 or backends_started():
         return False
