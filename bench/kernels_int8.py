@@ -7,7 +7,7 @@ jitted call with its kernel as an argument, as the engine passes its params:
   chooses);
 - `xla8`: XLA's own int8, `lax.conv_general_dilated` / `lax.dot_general` on s8 x s8 -> s32 (symmetric per-tensor
   activations, per-channel weights), the activations' quantization and the dequantization inside the timing;
-- `dnnl8`: engine/nn/int8.py's path, oneDNN's u8 x s8 -> s32 kernels (int8.cc; a linear layer as a 1x1
+- `dnnl8`: engine/nn/int8.py's path (its output's relative RMS error against f32 printed beside it), oneDNN's u8 x s8 -> s32 kernels (int8.cc; a linear layer as a 1x1
   convolution) with the kernel pinned (reordered once, as an `Engine` pins its params), the dynamic per-tensor
   quantization of the activations (u8 with a zero point), the padding and the dequantization inside the timing.
 Best of `--rounds`; the systems take turns within a round, so a busy minute slows one round, not one system. The
@@ -75,6 +75,7 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
     from jax import lax
 
@@ -103,7 +104,7 @@ def main() -> None:
     key = jax.random.key(0)
     for b, h, w, cin, cout, k in CONVS:
         layer = layers.conv(cin, cout, k, nnx.Rngs(0))
-        x = jax.random.normal(key, (b, h, w, cin))
+        x = jax.nn.silu(jax.random.normal(key, (b, h, w, cin)))  # as a ResNet block's GroupNorm + SiLU feeds it
         kernel, bias = layer.kernel[...], layer.bias[...]
         pad = ((k // 2, k // 2),) * 2
         quantized = int8.quantize_kernel(kernel)
@@ -129,7 +130,8 @@ def main() -> None:
         }
         cases.append((f"matmul {m}x{kk}x{n}", 2 * m * kk * n / 1e9, systems, quantized))
 
-    print(f"{'shape':28} {'GFLOP':>6} {'f32 ms':>8} {'xla8 ms':>8} {'dnnl8 ms':>9} {'f32/xla8':>9} {'f32/dnnl8':>9}")
+    print(f"{'shape':28} {'GFLOP':>6} {'f32 ms':>8} {'xla8 ms':>8} {'dnnl8 ms':>9} {'f32/xla8':>9} {'f32/dnnl8':>9}"
+          f" {'dnnl8 err':>9}")  # fmt: skip
     totals = {"f32": 0.0, "xla8": 0.0, "dnnl8": 0.0}
     for name, gflop, systems, quantized in cases:
         if args.only not in name:
@@ -146,9 +148,11 @@ def main() -> None:
             pinned.release()
         for system in totals:
             totals[system] += best[system]
+        want, got = (np.asarray(systems[s][0](*systems[s][1]), np.float64) for s in ("f32", "dnnl8"))
+        err = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))  # relative RMS error of the int8 output
         print(
             f"{name:28} {gflop:6.2f} {best['f32']:8.2f} {best['xla8']:8.2f} {best['dnnl8']:9.2f} "
-            f"{best['f32'] / best['xla8']:8.2f}x {best['f32'] / best['dnnl8']:8.2f}x   "
+            f"{best['f32'] / best['xla8']:8.2f}x {best['f32'] / best['dnnl8']:8.2f}x {err:8.2%}   "
             f"({gflop / best['f32'] * 1e3:.0f} / {gflop / best['xla8'] * 1e3:.0f} / "
             f"{gflop / best['dnnl8'] * 1e3:.0f} GFLOP/s)",
             flush=True,
