@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from engine import load_pipeline
+from engine.errors import ConfigError
 from engine.families.base import Models
 from engine.loading.quantize import computes_in_int8, quantize_params
 from engine.nn import int8, layers, onednn
@@ -152,6 +153,12 @@ def test_w8a8_quantizes_the_denoisers_linear_and_inner_convolution_kernels_only(
     assert changed == [("unet", "mid", "kernel"), ("unet", "proj", "kernel")]
     assert all(isinstance(after[p].get_value(), int8.QuantizedKernel) for p in changed)
     assert computes_in_int8(quantized) and not computes_in_int8(params)
+
+
+def test_w8a8_is_refused_for_a_denoiser_other_than_a_unet():
+    _, params = nnx.split(Models(transformer=Net(nnx.Rngs(0))))
+    with pytest.raises(ConfigError, match="computes a UNet's layers in int8; this model's transformer takes"):
+        quantize_params(params, "transformer", mode="w8a8")
 
 
 # The embedded model's pictures in w8a8 against its f32 ones, same prompt and latents, 2 steps at 64x64: measured

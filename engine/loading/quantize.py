@@ -118,6 +118,11 @@ def quantize_params(
         raise ConfigError(f"nothing to quantize: no component {sorted(missing)} in {sorted(params.keys())}")
     if mode not in MODES:
         raise ConfigError(f"quantize={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "w8a8" and components != {"unet"}:  # the UNet's layers were measured and checked in int8, no other's
+        raise ConfigError(
+            f"quantize='w8a8' computes a UNet's layers in int8; this model's {', '.join(sorted(components))} takes "
+            "quantize='int8' (int8 weights, float compute) or none"
+        )
     chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
     flat = list(nnx.to_flat_state(params))
     chosen = [i for i, (path, var) in enumerate(flat) if chooses(path, var.get_value(), components, min_size)]
