@@ -143,8 +143,8 @@ def _generate(
     )
     family = FAMILIES[spec.family]
     # SDXL: uncropped micro-conditioning at the generated size, as the old pipeline; no negative ids: zeros.
-    extra = family.extra_inputs({}, spec.vae_scale_factor, None, None)(plan, "", None if neg_ids is None else "")
-    encode = family.encode
+    extra = family.text.extra_inputs({}, spec.vae_scale_factor, None, None)(plan, "", None if neg_ids is None else "")
+    encode = family.text.encode
     halves = (
         encode(models, ids if neg_ids is None else neg_ids, extra, plan, True),
         encode(models, ids, extra, plan, False),

@@ -12,6 +12,7 @@ schnell and dev are told apart by `guidance_embeds`: 4 steps without guidance, o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,8 +25,8 @@ from ..models.config import CLIPTextConfig, VAEConfig
 from ..models.t5 import T5Config, T5EncoderModel
 from ..models.transformer_flux import TIME_FACTOR, FluxTransformer2DModel, FluxTransformerConfig
 from ..models.vae import AutoencoderKL
-from .base import Conditioning, Family, LatentFormat, Models, Variant
-from .sd3 import t5_extra_inputs, t5_states
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, text_to_image
+from .sd3 import flow_sampling, t5_states, t5_text
 
 T5_TOKENS = 512  # FluxPipeline's `max_sequence_length` default
 SCHNELL = {"num_inference_steps": 4, "guidance_scale": 0.0}
@@ -81,40 +82,27 @@ FAMILY = Family(
         "transformer": FluxTransformerConfig,
         "vae": VAEConfig,
     },
-    text_encoders=("text_encoder",),  # CLIP; T5 reads `extra`'s ids
-    tokenizers=("tokenizer",),
-    encode=encode,
     build=build,
-    denoise=denoise,
-    latent=LatentFormat(channels=16, tiny_vae="madebyollin/taef1"),
-    defaults={"height": 1024, "width": 1024, **DEV, "scheduler": "flow_euler"},
-    max_side=2048,
-    guidance="embedding",
-    guidance_input=lambda config, scale: scale,  # dev's `guidance_embedder` reads the scale itself
-    denoiser="transformer",
+    text=dataclasses.replace(
+        t5_text(("text_encoder",), ("tokenizer",), encode, "text_encoder_2", "tokenizer_2", T5_TOKENS),
+        clip_skip=False,  # FluxPipeline reads CLIP's pooled output only
+    ),
+    denoiser=Denoiser(
+        component="transformer",
+        denoise=denoise,
+        guidance="embedding",
+        guidance_input=lambda config, scale: scale,  # dev's `guidance_embedder` reads the scale itself
+        adapters=frozenset(),
+    ),
+    # The transformer packs the latents' 2x2 patches itself: its in_channels are 4x the VAE's latent channels
+    latent=LatentFormat(tiny_vae="madebyollin/taef1", denoiser_patch=2),
+    sampling=flow_sampling(
+        {"height": 1024, "width": 1024, **DEV},
+        config_defaults=lambda configs: DEV if configs["transformer"].guidance_embeds else SCHNELL,
+        turbo_defaults=SCHNELL,
+        uniform_sigmas=True,
+    ),
     check_layout=check_layout,
-    extra_inputs=t5_extra_inputs("text_encoder_2", "tokenizer_2", T5_TOKENS),
-    chunked_prompts=False,
-    t5_encoder="text_encoder_2",
-    config_defaults=lambda configs: DEV if configs["transformer"].guidance_embeds else SCHNELL,
-    turbo_defaults=SCHNELL,
-    uniform_sigmas=True,
-    clip_skip=False,  # FluxPipeline reads CLIP's pooled output only
-    adapters=frozenset(),
 )
 
-VARIANTS = (
-    Variant(
-        FAMILY.name,
-        "text-to-image",
-        "FLUX.1",
-        PIPELINES,
-        text_encoders=FAMILY.text_encoders,
-        tokenizers=FAMILY.tokenizers,
-        unet_in_channels=64,  # the transformer's packed input: 16 latent channels times a 2x2 patch
-        max_side=FAMILY.max_side,
-        defaults=FAMILY.defaults,
-        strength=0.6,  # FluxImg2ImgPipeline's default
-        inpaint_strength=0.6,
-    ),
-)
+VARIANTS = (text_to_image(FAMILY, "FLUX.1", PIPELINES, strength=0.6, inpaint=0.6),)  # FluxImg2ImgPipeline's

@@ -10,14 +10,14 @@ computed and the negative prompt is not read, as the pipelines do. The LCM sched
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
 from ..models.config import UNetConfig
 from . import sd
-from .base import Family, Variant
+from .base import Family, Sampling, text_to_image
 
 
 def check_layout(configs: Mapping[str, Any], where: str) -> None:
@@ -34,35 +34,20 @@ FAMILY = Family(
     name="sd-lcm",
     pipelines=("LatentConsistencyModelPipeline", "LatentConsistencyModelImg2ImgPipeline"),
     configs=sd.FAMILY.configs,
-    text_encoders=sd.FAMILY.text_encoders,
-    tokenizers=sd.FAMILY.tokenizers,
-    encode=sd.encode,
     build=sd.build,
-    denoise_shallow=sd.denoise_shallow,
-    denoise=sd.denoise,  # the UNet call reads `cond.timestep_cond`, the guidance scale's embedding
-    latent=sd.FAMILY.latent,
+    text=sd.CLIP_TEXT,
+    # The UNet call reads `cond.timestep_cond`, the guidance scale's embedding
+    denoiser=dataclasses.replace(sd.UNET, guidance="embedding"),
+    # No LCM inpainting pipeline: a picture with a mask is repainted by blending, as SD's 4-channel inpainting does
+    latent=dataclasses.replace(sd.FAMILY.latent, inpainting=False),
     # As `LatentConsistencyModelPipeline.__call__`'s defaults (4 steps, guidance 8.5); the folder's own
     # scheduler (LCMScheduler) comes first anyway.
-    defaults={"num_inference_steps": 4, "guidance_scale": 8.5, "scheduler": "lcm"},
-    max_side=sd.FAMILY.max_side,
-    guidance="embedding",
+    sampling=Sampling(
+        defaults={"num_inference_steps": 4, "guidance_scale": 8.5, "scheduler": "lcm"},
+        max_side=sd.FAMILY.sampling.max_side,
+    ),
     check_layout=check_layout,
 )
 
-# One task: there is no LCM inpainting pipeline (a picture with a mask is repainted by blending, as SD's
-# 4-channel inpainting does).
-VARIANTS = (
-    Variant(
-        FAMILY.name,
-        "text-to-image",
-        "Latent Consistency Model",
-        FAMILY.pipelines,
-        text_encoders=FAMILY.text_encoders,
-        tokenizers=FAMILY.tokenizers,
-        unet_in_channels=4,
-        max_side=FAMILY.max_side,
-        defaults=MappingProxyType(dict(FAMILY.defaults)),
-        strength=0.8,  # LatentConsistencyModelImg2ImgPipeline's default
-        inpaint_strength=1.0,
-    ),
-)
+# One task; LatentConsistencyModelImg2ImgPipeline's strength
+VARIANTS = (text_to_image(FAMILY, "Latent Consistency Model", FAMILY.pipelines, strength=0.8, inpaint=1.0),)

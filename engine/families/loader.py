@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError, SourceError
-from ..loading.host_encoder import host_t5
 from ..loading.sources import ModelFolder, resolve
 from ..loading.textual_inversion import NO_EMBEDDINGS, Embeddings
 from ..loading.tokenizer import Tokenizer
@@ -44,7 +43,7 @@ class LoadedModel:
     variant: Variant
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype
-    denoiser_config: Any  # the denoiser's config (`Family.denoiser`): a `UNetConfig`, an MMDiT transformer's
+    denoiser_config: Any  # the denoiser's config (`Denoiser.component`): a `UNetConfig`, an MMDiT transformer's
     vae_config: VAEConfig | AutoencoderTinyConfig  # the folder's own, or the one given (`loading.vae.attach_vae`)
     scheduler_config: SchedulerConfig
     tokenizers: list[Tokenizer]  # one per text encoder
@@ -63,7 +62,8 @@ class LoadedModel:
 
     @property
     def vae_scale_factor(self) -> int:
-        return self.vae_config.vae_scale_factor
+        """Picture pixels per side of one latent of the steps (`LatentFormat.scale_factor`)."""
+        return FAMILIES[self.family].latent.scale_factor(self.vae_config)
 
     @property
     def tiny_vae(self) -> bool:
@@ -72,11 +72,10 @@ class LoadedModel:
 
     @property
     def unet_latent_channels(self) -> int:
-        """The channels of the latents the UNet draws: its input for text-to-image; an inpainting UNet reads the
-        mask and the picture's latents too, so the family's latent format says."""
-        if self.variant.task == "text-to-image":  # a transformer that packs patches says its latents' own
-            return getattr(self.denoiser_config, "latent_channels", self.denoiser_config.in_channels)
-        return FAMILIES[self.family].latent.channels
+        """The VAE latent channels the denoiser draws, from its input width and task (`LatentFormat.vae_channels`):
+        what a VAE given in place of the folder's must have."""
+        latent = FAMILIES[self.family].latent
+        return latent.vae_channels(self.denoiser_config.in_channels, self.variant.task)
 
     @property
     def patch_size(self) -> int:
@@ -87,10 +86,14 @@ class LoadedModel:
 
     @property
     def latent_channels(self) -> int:
-        return self.vae_config.latent_channels  # an inpainting UNet reads more: mask and masked picture
+        """Channels of the latents the steps draw (an inpainting UNet reads more: mask and masked picture)."""
+        return FAMILIES[self.family].latent.channels(self.vae_config)
 
     def tokenize(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL)."""
+        """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL), [1, 0] with none (a text side
+        whose prompt travels in its extra inputs)."""
+        if not self.tokenizers:
+            return np.zeros((1, 0), np.int32), []
         rows, warnings = [], []
         for tokenizer in self.tokenizers:
             ids, notes = tokenizer(text, what)
@@ -108,13 +111,13 @@ def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
 def _defaults(
     folder: ModelFolder, family: Family, variant: Variant, configs: dict, vae: VAEConfig, scheduler: SchedulerConfig
 ) -> tuple[dict, list[str]]:
-    denoiser = configs[family.denoiser]
+    denoiser = configs[family.denoiser.component]
     side = (getattr(denoiser, "sample_size", None) or 64) * vae.vae_scale_factor
-    defaults = {"height": side, "width": side, **variant.defaults, **family.config_defaults(configs)}
+    defaults = {"height": side, "width": side, **variant.defaults, **family.sampling.config_defaults(configs)}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
     if is_turbo(folder, scheduler):
-        defaults.update(family.turbo_defaults)
+        defaults.update(family.sampling.turbo_defaults)
     extra_path = folder.root / "jax_sd.json"
     extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
     defaults.update(
@@ -147,7 +150,7 @@ def load_model_folder(
     prediction_type: str | None = None,
     safety_checker: bool = False,
 ) -> LoadedModel:
-    """`t5`: where a family's T5 encoder runs (`Family.t5_encoder`): "device" with the other networks, "host" on the
+    """`t5`: where a family's T5 encoder runs (`TextSide.host_encoder`): "device" with the other networks, "host" on the
     CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
     it, as diffusers without it). Families without T5 ignore it.
 
@@ -173,16 +176,17 @@ def load_model_folder(
         )
     folder = single.folder if single is not None else resolve(source, weights_variant)
     family = folder_family(folder)
-    if t5 == "off" and family.t5_encoder is not None and family.t5_encoder not in family.optional:
+    text = family.text
+    if t5 == "off" and text.host_encoder is not None and text.host_encoder not in family.optional:
         raise ConfigError(f"{folder.name}: this model needs its T5 encoder; keep it on the device or the host")
-    left_out = {family.t5_encoder} if t5 == "off" else set()
+    left_out = {text.host_encoder} if t5 == "off" else set()
     configs = {
         name: cls.from_json(folder.component(name) / "config.json")
         for name, cls in family.configs.items()
         if name not in left_out and (name not in family.optional or folder.has(name))
     }
-    denoiser_cfg, vae_cfg = configs[family.denoiser], configs["vae"]
-    variant = find(family.name, denoiser_cfg.in_channels, where=folder.name)
+    denoiser_cfg, vae_cfg = configs[family.denoiser.component], configs["vae"]
+    variant = find(family.name, denoiser_cfg.in_channels, vae_cfg, where=folder.name)
     family.check_layout(configs, folder.name)
     sched_cfg = SchedulerConfig.from_json(folder.component("scheduler") / "scheduler_config.json")
     if single is not None:
@@ -199,18 +203,18 @@ def load_model_folder(
     }
 
     host = None
-    if t5 == "host" and family.t5_encoder in configs:
-        name = family.t5_encoder
+    if t5 == "host" and text.host_encoder in configs:
+        name = text.host_encoder
         mine = {key[len(name) + 1 :]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
-        host = host_t5(name, configs[name], mine, dtype, folder.name)
-    on_device = {name: config for name, config in configs.items() if host is None or name != family.t5_encoder}
+        host = text.on_host(name, configs[name], mine, dtype, folder.name)
+    on_device = {name: config for name, config in configs.items() if host is None or name != text.host_encoder}
     graphdef, params = convert(
         lambda: Models(**family.build(on_device, nnx.Rngs(0))), tensors, dtype, where=folder.name
     )
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])
     defaults, examples = _defaults(folder, family, variant, configs, vae_cfg, sched_cfg)
-    vae_scale_factor = vae_cfg.vae_scale_factor
+    vae_scale_factor = family.latent.scale_factor(vae_cfg)
     return LoadedModel(
         name=folder.name,
         family=family.name,
@@ -224,9 +228,7 @@ def load_model_folder(
         defaults=defaults,
         label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
         example_prompts=examples,
-        max_clip_skip=min(configs[name].num_hidden_layers for name in family.text_encoders) - 1
-        if family.clip_skip
-        else 0,
-        extra_inputs=family.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
+        max_clip_skip=min(configs[name].num_hidden_layers for name in text.encoders) - 1 if text.clip_skip else 0,
+        extra_inputs=text.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
         config_folder=folder if single is not None else None,
     )

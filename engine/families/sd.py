@@ -19,7 +19,7 @@ from ..loading.vae import VAE_CLASSES, read_vae_config
 from ..models.clip import CLIPTextModel
 from ..models.config import AutoencoderTinyConfig, CLIPTextConfig, UNetConfig, VAEConfig
 from ..models.unet import UNet2DConditionModel
-from .base import Conditioning, Family, LatentFormat, Models, variants
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, Sampling, TextSide, variants
 
 
 class AnyVAEConfig:
@@ -82,26 +82,26 @@ def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
     return {**encoders, "unet": UNet2DConditionModel(configs["unet"], rngs), "vae": vae(configs["vae"], rngs)}
 
 
+# SD's CLIP text side: one encoder's last hidden state (or an earlier layer's), chunks and emphasis. LCM shares it.
+CLIP_TEXT = TextSide(encoders=("text_encoder",), tokenizers=("tokenizer",), encode=encode)
+UNET = Denoiser(component="unet", denoise=denoise, denoise_shallow=denoise_shallow)
+
 FAMILY = Family(
     name="sd",
     pipelines=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
     configs={"text_encoder": CLIPTextConfig, "unet": UNetConfig, "vae": AnyVAEConfig},
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    encode=encode,
     build=build,
-    denoise=denoise,
-    denoise_shallow=denoise_shallow,
-    latent=LatentFormat(channels=4, tiny_vae="madebyollin/taesd"),
+    text=CLIP_TEXT,
+    denoiser=UNET,
+    latent=LatentFormat(tiny_vae="madebyollin/taesd", inpainting=True),
     # The scheduler here is a fallback: a folder's own scheduler class, when we have it, comes first.
-    defaults={"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"},
-    max_side=1024,
+    sampling=Sampling(defaults={"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}, max_side=1024),
 )
 
 VARIANTS = variants(
     FAMILY,
     "Stable Diffusion",
-    text_to_image=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"),
+    ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"),
     inpainting=("StableDiffusionInpaintPipeline",),
     strengths=(0.8, 1.0, 1.0),
 )

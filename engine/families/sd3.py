@@ -28,7 +28,7 @@ from ..models.config import CLIPTextConfig, VAEConfig
 from ..models.t5 import T5Config, T5EncoderModel
 from ..models.transformer_sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from ..models.vae import AutoencoderKL
-from .base import Conditioning, Family, LatentFormat, Models, Variant
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, Sampling, TextSide, text_to_image
 
 T5_TOKENS = 256  # diffusers' `max_sequence_length` default for SD3
 T5 = "text_encoder_3"
@@ -125,6 +125,28 @@ def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
     return networks
 
 
+def t5_text(
+    encoders: tuple[str, ...], tokenizers: tuple[str, ...], encode: Any, t5: str, t5_tokenizer: str, tokens: int
+) -> TextSide:
+    """The text side of a pipeline with a T5 encoder (SD3, FLUX.1): the CLIP encoders read the prompt's first 77
+    tokens as plain text, T5 (sub-folder `t5`, which may run on the host) reads up to `tokens` of it, its ids
+    brought by the extra inputs."""
+    return TextSide(
+        encoders=encoders,
+        tokenizers=tokenizers,
+        encode=encode,
+        extra_inputs=t5_extra_inputs(t5, t5_tokenizer, tokens),
+        host_encoder=t5,
+        chunked_prompts=False,
+    )
+
+
+def flow_sampling(defaults: Mapping[str, Any], **more: Any) -> Sampling:
+    """The generation defaults of a flow-matching family (SD3, FLUX.1): the flow-matching Euler kind, 2048 pixels
+    at most; `more`: `Sampling`'s other fields."""
+    return Sampling(defaults={**defaults, "scheduler": "flow_euler"}, max_side=2048, **more)
+
+
 PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
 FAMILY = Family(
     name="sd3",
@@ -136,38 +158,21 @@ FAMILY = Family(
         "transformer": SD3TransformerConfig,
         "vae": VAEConfig,
     },
-    text_encoders=("text_encoder", "text_encoder_2"),  # the CLIP encoders; T5 reads `extra`'s ids
-    tokenizers=("tokenizer", "tokenizer_2"),
-    encode=encode,
     build=build,
-    denoise=denoise,
-    latent=LatentFormat(channels=16, tiny_vae="madebyollin/taesd3"),
-    defaults={"num_inference_steps": 28, "guidance_scale": 7.0, "scheduler": "flow_euler"},
-    max_side=2048,
-    denoiser="transformer",
+    # the CLIP encoders; T5 reads `extra`'s ids
+    text=t5_text(
+        ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"), encode, T5, "tokenizer_3", T5_TOKENS
+    ),
+    denoiser=Denoiser(component="transformer", denoise=denoise, adapters=frozenset()),
+    latent=LatentFormat(tiny_vae="madebyollin/taesd3"),
+    sampling=flow_sampling(
+        {"num_inference_steps": 28, "guidance_scale": 7.0},
+        turbo_defaults={"num_inference_steps": 4, "guidance_scale": 0.0},  # SD 3.5 Large Turbo
+    ),
     check_layout=check_layout,
-    extra_inputs=t5_extra_inputs(T5, "tokenizer_3", T5_TOKENS),
     optional=frozenset({T5}),
-    t5_encoder=T5,
-    chunked_prompts=False,
-    turbo_defaults={"num_inference_steps": 4, "guidance_scale": 0.0},  # SD 3.5 Large Turbo
-    adapters=frozenset(),
 )
 
-# One task: the transformer reads the 16 latent channels; image-to-image and inpainting (which blends the kept
-# part at each step, as `StableDiffusion3InpaintPipeline`) use the same model.
-VARIANTS = (
-    Variant(
-        FAMILY.name,
-        "text-to-image",
-        "Stable Diffusion 3",
-        PIPELINES,
-        text_encoders=FAMILY.text_encoders,
-        tokenizers=FAMILY.tokenizers,
-        unet_in_channels=16,
-        max_side=FAMILY.max_side,
-        defaults=FAMILY.defaults,
-        strength=0.6,  # StableDiffusion3Img2ImgPipeline's default
-        inpaint_strength=0.6,  # StableDiffusion3InpaintPipeline's default
-    ),
-)
+# One task: the transformer reads the latent channels; image-to-image and inpainting (which blends the kept part at
+# each step, as `StableDiffusion3InpaintPipeline`) use the same model. Strengths: the img2img and inpaint pipelines'.
+VARIANTS = (text_to_image(FAMILY, "Stable Diffusion 3", PIPELINES, strength=0.6, inpaint=0.6),)

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..models.config import CLIPTextConfig, UNetConfig, VAEConfig
 from . import sd
-from .base import Conditioning, Family, LatentFormat, Models, variants
+from .base import Conditioning, Family, LatentFormat, Models, Sampling, TextSide, variants
 
 TIME_IDS = 6  # original (h, w), crop (top, left), target (h, w)
 
@@ -90,27 +90,28 @@ FAMILY = Family(
     name="sdxl",
     pipelines=("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline"),
     configs={"text_encoder": CLIPTextConfig, "text_encoder_2": CLIPTextConfig, "unet": UNetConfig, "vae": VAEConfig},
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    encode=encode,
     build=sd.build,  # the same networks; the second encoder is `CLIPTextModelWithProjection`
-    denoise_shallow=sd.denoise_shallow,
-    denoise=sd.denoise,  # the same UNet call: its `text_time` embedding reads the pooled text and time ids
-    latent=LatentFormat(channels=4, tiny_vae="madebyollin/taesdxl"),
-    defaults={"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"},  # as the SDXL-on-TPU post
-    max_side=2048,
-    check_layout=check_layout,
-    extra_inputs=lambda index, vae_scale_factor, folder, host: functools.partial(
-        extra_inputs,
-        vae_scale_factor=vae_scale_factor,
-        force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True
+    text=TextSide(
+        encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        encode=encode,
+        extra_inputs=lambda index, vae_scale_factor, folder, host: functools.partial(
+            extra_inputs,
+            vae_scale_factor=vae_scale_factor,
+            force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),  # diffusers' default: True
+        ),
     ),
+    denoiser=sd.UNET,  # the same UNet call: its `text_time` embedding reads the pooled text and time ids
+    latent=LatentFormat(tiny_vae="madebyollin/taesdxl", inpainting=True),
+    # as the SDXL-on-TPU post
+    sampling=Sampling(defaults={"num_inference_steps": 25, "guidance_scale": 5.0, "scheduler": "euler"}, max_side=2048),
+    check_layout=check_layout,
 )
 
 VARIANTS = variants(
     FAMILY,
     "Stable Diffusion XL",
-    text_to_image=("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"),
+    ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"),
     inpainting=("StableDiffusionXLInpaintPipeline",),
     strengths=(0.3, 0.9999, 0.9999),
 )

@@ -81,10 +81,10 @@ def encoder_parts(family: Any) -> dict[str, str]:
     """The text encoders of a family (its `engine.families.Family` record) that take embeddings -> the part of a file
     each reads: SINGLE with one encoder, clip_l and clip_g with SDXL's two. Empty for families whose encoders read no
     embeddings (those with a T5 encoder, whose CLIP encoders read a prompt as plain text)."""
-    record = family
-    if not record.chunked_prompts:
+    text = family.text  # its `TextSide`
+    if not text.chunked_prompts:
         return {}
-    encoders = record.text_encoders
+    encoders = text.encoders
     if len(encoders) == 1:
         return {encoders[0]: SINGLE}
     if len(encoders) == len(PAIR):

@@ -12,6 +12,7 @@ picture's latents and the noise for the 4-channel blend (`blend`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,24 +95,16 @@ def latent_row(latents: np.ndarray | None, shape: tuple[int, int, int]) -> dict[
     return dict(image=image, mask=np.ones((*shape[:2], 1), np.float32), start=np.asarray((1.0, 0.0), np.float32))
 
 
-def encode(vae, images: jax.Array) -> jax.Array:
-    """Pictures [batch, H, W, 3] in [-1, 1] -> scaled latents, the inverse of `pipeline.decode`'s scaling."""
-    mean, _ = vae.encode(images)  # the posterior's mean: `retrieve_latents(..., sample_mode="argmax")`
-    cfg = vae.config
-    if cfg.latents_mean is not None and cfg.latents_std is not None:  # as diffusers' SDXL pipelines
-        return (mean - jnp.asarray(cfg.latents_mean)) * cfg.scaling_factor / jnp.asarray(cfg.latents_std)
-    if cfg.shift_factor is not None:
-        return (mean - cfg.shift_factor) * cfg.scaling_factor
-    return mean * cfg.scaling_factor
-
-
-def start(vae, source: Source, noise: jax.Array, tables, mode: str, channels: int) -> tuple[jax.Array, Any]:
+def start(
+    encode: Callable[[jax.Array], jax.Array], source: Source, noise: jax.Array, tables, mode: str, inpainting: bool
+) -> tuple[jax.Array, Any]:
     """The initial latents of image-mode slots and, for inpainting, what the steps keep.
 
     `add_noise(encode(image), noise, first timestep)`; inpainting at strength 1 starts from pure noise
-    (tables.init_signal is then 0). `channels`: the UNet's input channels, 9 for an inpainting UNet.
+    (tables.init_signal is then 0). `encode`: pictures in [-1, 1] -> the steps' latents (the family's
+    `LatentFormat.encode` with the model's VAE); `inpainting`: the denoiser is an inpainting one.
     """
-    image = source.image if mode == "latents" else encode(vae, source.image)  # [batch, h, w, c]
+    image = source.image if mode == "latents" else encode(source.image)  # [batch, h, w, c]
     signal, sigma = tables.init_signal[:, None, None, None], tables.init_noise_sigma[:, None, None, None]
     if mode != "inpaint":
         return signal * image + sigma * noise, None
@@ -119,21 +112,23 @@ def start(vae, source: Source, noise: jax.Array, tables, mode: str, channels: in
     mask = source.mask[:, ::factor, ::factor]  # nearest, as torch's `interpolate` to the latent size
     keep, noisy = (source.start[:, k, None, None, None] for k in (0, 1))  # A1111's latent noise / nothing
     x = signal * ((1 - mask) * image + mask * (keep * image + noisy * noise)) + sigma * noise
-    masked = encode(vae, source.image * (source.mask < 0.5)) if channels == 9 else jnp.zeros_like(image)
+    masked = encode(source.image * (source.mask < 0.5)) if inpainting else jnp.zeros_like(image)
     return x, Inpainting(mask=mask, masked=masked, image=image, noise=noise)
 
 
-def unet_input(model_in: jax.Array, kept: Inpainting | None, channels: int, pairs: int) -> jax.Array:
-    """A 9-channel UNet reads [latents, mask, masked-image latents] (the guidance pair repeats the two)."""
-    if kept is None or channels != 9:
+def unet_input(model_in: jax.Array, kept: Inpainting | None, inpainting: bool, pairs: int) -> jax.Array:
+    """An inpainting UNet (9 channels) reads [latents, mask, masked-image latents] (the guidance pair repeats the
+    two)."""
+    if kept is None or not inpainting:
         return model_in
     extra = jnp.concatenate([kept.mask, kept.masked], axis=-1)
     return jnp.concatenate([model_in, jnp.repeat(extra, pairs, axis=0)], axis=-1)
 
 
-def blend(x: jax.Array, kept: Inpainting | None, tables, i: jax.Array, channels: int) -> jax.Array:
-    """4-channel inpainting: after step i, the kept part is the picture noised to the next step's level."""
-    if kept is None or channels == 9:
+def blend(x: jax.Array, kept: Inpainting | None, tables, i: jax.Array, inpainting: bool) -> jax.Array:
+    """Inpainting with a text-to-image denoiser: after step i, the kept part is the picture noised to the next
+    step's level."""
+    if kept is None or inpainting:
         return x
     at = lambda table: jax.vmap(lambda row, j: row[j])(table, i)[:, None, None, None]  # noqa: E731
     known = at(tables.blend_signal) * kept.image + at(tables.blend_noise) * kept.noise

@@ -16,6 +16,7 @@ scheduler kind, `max_steps`, whether guidance is on, `clip_skip`, the prompt's c
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import schedulers
-from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Models
+from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Family, Models
 from ..loading.quantize import dequantize
 from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
@@ -40,7 +41,7 @@ class Plan:
     scheduler: str
     max_steps: int
     # Classifier-free guidance as a second, unconditional batch row per image (scale > 1): the UNet batch doubles.
-    # Off for a model guided by embedding (`Family.guided_by_embedding`: LCM; `Jobs.plan` sees to it), which reads
+    # Off for a model guided by embedding (`Denoiser.guided_by_embedding`: LCM; `Jobs.plan` sees to it), which reads
     # each slot's scale as `Conditioning.timestep_cond` instead: that is the model's, not the plan's.
     guidance: bool
     family: str = DEFAULT_FAMILY  # `engine.families.FAMILIES` key: the family's record encodes the prompt and denoises
@@ -50,7 +51,7 @@ class Plan:
     control: bool = False  # the ControlNet runs beside the UNet; each slot brings a control image
     mode: str = "txt2img"  # txt2img | img2img | inpaint | latents (modes.py): what admit encodes, what steps keep
     # DeepCache: a chunk's step runs the UNet whole only where some slot is at a multiple of this (its deep features
-    # kept in `Slots.deep`), else its first level alone over them (`Family.denoise_shallow`); 0 or 1: always whole
+    # kept in `Slots.deep`), else its first level alone over them (`Denoiser.denoise_shallow`); 0 or 1: always whole
     deep_cache: int = 0
     token_merging: float = 0.0  # the UNet's first level merges this share of its tokens (`nn.token_merging`); 0: off
 
@@ -96,10 +97,17 @@ def encode_prompts(
     ids int32 and weights f32 [batch, plan.chunks, 77] (SDXL: [batch, plan.chunks, 2, 77]); a prompt of one
     chunk with weights 1 gives exactly what the family's `encode` gives for its ids.
     """
-    family = FAMILIES[plan.family]
-    if not family.chunked_prompts:  # one plain chunk (prompts.tokenize_plain): the family's encoder as it is
-        return family.encode(models, ids[:, 0], extra, plan, negative)
-    return prompts.encode_chunks(family, models, ids, weights, extra, plan, negative)
+    text = FAMILIES[plan.family].text
+    if not text.chunked_prompts:  # one plain chunk (prompts.tokenize_plain): the family's encoder as it is
+        return text.encode(models, ids[:, 0], extra, plan, negative)
+    return prompts.encode_chunks(text, models, ids, weights, extra, plan, negative)
+
+
+def _inpainting(family: Family, models: Models) -> bool:
+    """Whether the denoiser is an inpainting one, which reads the mask and the masked picture's latents beside the
+    latents (`LatentFormat.task` of its input width over the VAE's latents)."""
+    config = getattr(models, family.denoiser.component).config
+    return family.latent.task(config.in_channels, models.vae.config) == "inpainting"
 
 
 def _pair(uncond, cond):
@@ -187,19 +195,20 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         uncond = encode_prompts(models, new.neg_ids, new.neg_weights, new.extra, plan, True)
         cond = jax.tree.map(_pair, uncond, cond)
     family = FAMILIES[plan.family]
-    denoiser = getattr(models, family.denoiser)
+    denoiser = getattr(models, family.denoiser.component)
     config = denoiser.config
-    if family.guided_by_embedding(config):  # the scale is an input: traced, per slot
-        w = family.guidance_input(config, new.guidance_scale)
+    if family.denoiser.guided_by_embedding(config):  # the scale is an input: traced, per slot
+        w = family.denoiser.guidance_input(config, new.guidance_scale)
         cond = dataclasses.replace(cond, timestep_cond=_pair(w, w) if plan.guidance else w)
     noise = initial_latents(new.seeds, new.latents.shape[1:])
     noise = jnp.where(new.given[:, None, None, None], new.latents, noise)
     x, kept = noise * new.tables.init_noise_sigma[:, None, None, None], None
     if plan.mode != "txt2img":
-        x, kept = modes.start(models.vae, new.source, noise, new.tables, plan.mode, config.in_channels)
+        encode = functools.partial(family.latent.encode, models.vae)
+        x, kept = modes.start(encode, new.source, noise, new.tables, plan.mode, _inpainting(family, models))
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
-    kv = denoiser.project_context(cond.context)  # once per request, not once per step
+    kv = family.denoiser.project(denoiser, cond)  # once per request, not once per step
     control_kv = models.controlnet.project_context(cond.context) if plan.control else None
     cond = dataclasses.replace(cond, context=None)  # no step reads it again: the slots hold it projected
     deep = None
@@ -254,15 +263,15 @@ def advance(
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
     family = FAMILIES[plan.family]
-    channels = getattr(models, family.denoiser).config.in_channels
+    inpainting = _inpainting(family, models)
     keys = image_keys(slots.seeds)
-    denoise = family.denoise
+    denoise = family.denoiser.denoise
 
     def body(_, carry):
         x, state, i, deep = carry
         models = nnx.merge(graphdef, dequantize(params, after=x))  # the same arrays for a tree with no int8 kernel
         if plan.token_merging:  # on this traced copy of the network only
-            getattr(models, family.denoiser).merge_tokens(plan.token_merging)
+            getattr(models, family.denoiser.component).merge_tokens(plan.token_merging)
         active = i < t.num_loop_steps  # [batch]
         model_in = jax.vmap(lambda tab, j, row: schedulers.scale_model_input(kind, tab, j, row))(t, i, x)
         timesteps = jax.vmap(schedulers.timestep)(t, i)  # [batch]
@@ -270,7 +279,7 @@ def advance(
             model_in, timesteps = _pair(model_in, model_in), _pair(timesteps, timesteps)
         model_in = pairs.split_batch(model_in)  # over a core pair, when there is one; the networks follow
         residuals = _control_residuals(plan, models, slots, model_in, timesteps, cond)  # on the 4 latent channels
-        model_in = modes.unet_input(model_in, slots.kept, channels, 2 if plan.guidance else 1)
+        model_in = modes.unet_input(model_in, slots.kept, inpainting, 2 if plan.guidance else 1)
         if plan.deep_cache > 1:  # DeepCache: the first level alone where every running slot may reuse its features
             shallow = jnp.any(active) & jnp.all(~active | (i % plan.deep_cache != 0))
 
@@ -279,7 +288,7 @@ def advance(
                 return out, new.astype(deep.dtype)
 
             def first_level(deep):
-                return family.denoise_shallow(models, model_in, timesteps, slots.kv, cond, deep), deep
+                return family.denoiser.denoise_shallow(models, model_in, timesteps, slots.kv, cond, deep), deep
 
             out, deep = jax.lax.cond(shallow, first_level, whole, deep)
         else:
@@ -296,7 +305,7 @@ def advance(
             new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x, noise)
         else:
             new_x, new_state = jax.vmap(lambda *a: schedulers.step(kind, *a))(t, state, i, out, x)
-        new_x = modes.blend(new_x, slots.kept, t, i, channels)
+        new_x = modes.blend(new_x, slots.kept, t, i, inpainting)
         keep = lambda a, b: _select(active, a, b)  # noqa: E731 - finished and empty slots stay as they are
         return keep(new_x, x), jax.tree.map(keep, new_state, state), i + active.astype(jnp.int32), deep
 
@@ -328,14 +337,7 @@ def _control_residuals(
 def decode(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array) -> jax.Array:
     """Latents -> images [batch, H, W, 3] in [0, 1], f32: the last of the three programs."""
     models: Models = nnx.merge(graphdef, dequantize(params))
-    vae_cfg = models.vae.config
-    if vae_cfg.latents_mean is not None and vae_cfg.latents_std is not None:  # as diffusers' SDXL pipeline
-        x = x * jnp.asarray(vae_cfg.latents_std) / vae_cfg.scaling_factor + jnp.asarray(vae_cfg.latents_mean)
-    elif vae_cfg.shift_factor is not None:
-        x = x / vae_cfg.scaling_factor + vae_cfg.shift_factor
-    else:
-        x = x / vae_cfg.scaling_factor
-    images = models.vae.decode(pairs.split_rows(x))
+    images = FAMILIES[plan.family].latent.decode(models.vae, pairs.split_rows(x))  # the format's own scaling
     return jnp.clip(images / 2 + 0.5, 0.0, 1.0)
 
 

@@ -15,7 +15,7 @@ Mirrors A1111's `parse_prompt_attention` (modules/prompt_parser.py) and its CLIP
   its placeholder ids, one per vector, weighed as the words around it; the encoder looks them up in rows appended
   to its token table (engine/loading/textual_inversion.py). An embedding is never split between two chunks.
 
-Families whose T5 encoder reads the long prompt (SD3, FLUX.1; `Family.chunked_prompts` False) skip all this, as
+Families whose T5 encoder reads the long prompt (SD3, FLUX.1; `TextSide.chunked_prompts` False) skip all this, as
 diffusers does: their CLIP encoders read the first 77 tokens as text (`tokenize_plain`).
 
 Not here: A1111's prompt editing (`[cat:dog:0.5]`, read as text) and `AND` (composable diffusion).
@@ -265,7 +265,11 @@ def tokenize_prompt(
 
 def tokenize_plain(tokenizers: Sequence[Any], text: str) -> TokenizedPrompt:
     """One chunk of each CLIP tokenizer's first 77 tokens, no emphasis (brackets are text): what diffusers' SD3 and
-    FLUX.1 pipelines give their CLIP encoders, whose T5 encoder reads the long prompt. [1, 77] or [1, encoders, 77]."""
+    FLUX.1 pipelines give their CLIP encoders, whose T5 encoder reads the long prompt. [1, 77] or [1, encoders, 77].
+    No tokenizers (a text side whose prompt travels in its extra inputs only): ids [1, 0]."""
+    if not tokenizers:
+        none = np.zeros((1, 0), np.int32)
+        return TokenizedPrompt(none, np.ones(none.shape, np.float32), 0, none[0])
     rows = [tokenizer(text)[0][0] for tokenizer in tokenizers]  # `loading.Tokenizer`: padded, truncated at 77
     ids = np.stack(rows)[None] if len(rows) > 1 else rows[0][None]
     empty = np.stack([tokenizer("")[0][0] for tokenizer in tokenizers])
@@ -312,12 +316,12 @@ def apply_emphasis(z: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def encode_chunks(
-    family: Any, models: Any, ids: jax.Array, weights: jax.Array, extra: dict, plan: Any, negative: bool
+    text: Any, models: Any, ids: jax.Array, weights: jax.Array, extra: dict, plan: Any, negative: bool
 ) -> Any:
-    """The family's `encode` (`engine.families.Family`) over chunks, with emphasis: the UNet's conditioning.
+    """The family's `encode` (its `engine.families.TextSide`) over chunks, with emphasis: the UNet's conditioning.
 
     ids int32 and weights f32 [batch, chunks, 77] (SDXL: [batch, chunks, 2, 77]), from `stack`; extra and
-    negative as for `Family.encode` (batch first). Every chunk goes through the family's encoder as one more row
+    negative as for `TextSide.encode` (batch first). Every chunk goes through the family's encoder as one more row
     of the batch; each encoder's part of the context gets its own emphasis (A1111 weighs SDXL's two
     encoders apart); the context is [batch, chunks * 77, width], the pooled embedding and time ids are the
     first chunk's. Traceable: call it inside the jitted step; the chunk count is a shape, so static.
@@ -325,9 +329,9 @@ def encode_chunks(
     b, c = ids.shape[:2]
     rows = lambda a: a.reshape(b * c, *a.shape[2:])  # noqa: E731 [batch * chunks, ...], chunk-minor
     per_chunk = jax.tree.map(lambda a: jnp.repeat(a, c, axis=0), extra)
-    cond = family.encode(models, rows(ids), per_chunk, plan, negative)
+    cond = text.encode(models, rows(ids), per_chunk, plan, negative)
     context = cond.context.reshape(b, c, *cond.context.shape[1:])  # [batch, chunks, 77, width]
-    widths = [getattr(models, name).config.hidden_size for name in family.text_encoders]
+    widths = [getattr(models, name).config.hidden_size for name in text.encoders]
     if sum(widths) != context.shape[-1]:
         raise ValueError(f"a context {context.shape[-1]} wide is not the encoders' {' + '.join(map(str, widths))}")
     if weights.ndim == 3:  # one tokenizer: [batch, chunks, 77] -> [batch, chunks, 1, 77]

@@ -136,7 +136,7 @@ class Engine:
         self.defaults = dict(model.defaults)
         self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels
-        unet_levels = FAMILIES[model.family].denoise_shallow is not None  # DeepCache and token merging need them
+        unet_levels = FAMILIES[model.family].denoiser.denoise_shallow is not None  # DeepCache, token merging
         self.limits = Limits(
             schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
             side_multiple=factor,

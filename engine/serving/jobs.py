@@ -42,7 +42,7 @@ class Jobs:
     def prompts(self, r: GenerationRequest) -> tuple[TokenizedPrompt, TokenizedPrompt]:
         """The prompt and the negative prompt in 75-token chunks with their emphasis (engine/sampling/prompts.py),
         padded to one chunk count; refused when longer than `limits.max_chunks`."""
-        if FAMILIES[self.model.family].chunked_prompts:  # textual inversion embeddings called by name, in both
+        if FAMILIES[self.model.family].text.chunked_prompts:  # textual inversion embeddings called by name, in both
             tokenize = functools.partial(tokenize_prompt, embeddings=self.model.embeddings.placeholders)
         else:
             tokenize = tokenize_plain
@@ -58,7 +58,7 @@ class Jobs:
             chunks = max(p.chunks for p in self.prompts(r))
         factor = self.model.vae_scale_factor
         # A model that reads the scale as an embedding (LCM) never takes the unconditional row.
-        by_embedding = FAMILIES[self.model.family].guided_by_embedding(self.model.denoiser_config)
+        by_embedding = FAMILIES[self.model.family].denoiser.guided_by_embedding(self.model.denoiser_config)
         return Plan(
             batch=self.batch_size,
             latent_height=r.height // factor,
@@ -104,7 +104,7 @@ class Jobs:
             inpaint=plan.mode == "inpaint",
             eta=float(r.eta),
             image_tokens=(plan.latent_height // patch) * (plan.latent_width // patch),
-            uniform_sigmas=family.uniform_sigmas,
+            uniform_sigmas=family.sampling.uniform_sigmas,
         )
         return Job(
             ticket=ticket,

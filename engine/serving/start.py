@@ -147,7 +147,7 @@ def load_pipeline(
     model = load_model_folder(
         source, dtype, t5=t5, config=config, prediction_type=prediction_type, safety_checker=safety_checker
     )
-    adapters = FAMILIES[model.family].adapters
+    adapters = FAMILIES[model.family].denoiser.adapters
     for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
         if given and what not in adapters:
             raise ConfigError(f"{model.label} models take no {label} yet: start without one")
@@ -161,7 +161,7 @@ def load_pipeline(
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
     if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
         model = dataclasses.replace(
-            model, params=quantize_params(model.params, FAMILIES[model.family].denoiser, mode=quantize)
+            model, params=quantize_params(model.params, FAMILIES[model.family].denoiser.component, mode=quantize)
         )
     checker = None
     if safety_checker:
