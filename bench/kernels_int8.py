@@ -14,6 +14,11 @@ Best of `--rounds`; the systems take turns within a round, so a busy minute slow
 machine this runs on is usually shared: the ratios are what it says, measured on loaded cores.
 
     python bench/kernels_int8.py --rounds 5
+    python bench/kernels_int8.py --unet --rounds 2   # SD-Turbo's whole UNet, one step, f32 against w8a8
+
+`--unet` times SD-Turbo's UNet (random weights of its shape, 512x512, batch 1) in f32 and with `--quantize w8a8`'s
+kernels, its int8 ones pinned, the two taking turns: minutes of both cores (its 865M parameters drawn, two programs
+compiled), and on shared cores each call's time swings by a factor of two, so its best of rounds is what to read.
 """
 
 from __future__ import annotations
@@ -71,7 +76,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3, help="calls timed per round")
     parser.add_argument("--only", default="", help="only the shapes whose name holds this (e.g. 'conv 3x3 64x64')")
+    parser.add_argument("--unet", action="store_true", help="SD-Turbo's whole UNet step instead of the shapes")
     args = parser.parse_args()
+    if args.unet:
+        unet_step(args.rounds)
+        return
 
     import jax
     import jax.numpy as jnp
@@ -161,6 +170,44 @@ def main() -> None:
         f"{'all shapes above, summed':28} {'':6} {totals['f32']:8.1f} {totals['xla8']:8.1f} {totals['dnnl8']:9.1f} "
         f"{totals['f32'] / totals['xla8']:8.2f}x {totals['f32'] / totals['dnnl8']:8.2f}x"
     )
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+def unet_step(rounds: int) -> None:
+    """SD-Turbo's UNet, one call at 512x512 (64x64 latents, batch 1, 77 tokens of context), f32 against w8a8."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from picture import SD2_UNET
+
+    from engine.loading.quantize import quantize_params
+    from engine.models.config import UNetConfig
+    from engine.models.unet import UNet2DConditionModel
+    from engine.nn import onednn
+
+    print(cpu_line())
+    graph, params = nnx.split(UNet2DConditionModel(UNetConfig(**SD2_UNET), nnx.Rngs(0)))
+    quantized = quantize_params(nnx.State({"unet": params}), "unet", mode="w8a8")["unet"]
+    pinned = onednn.pin(quantized)  # as an Engine pins its params
+    x = jax.random.normal(jax.random.key(0), (1, 64, 64, 4))
+    context = jax.random.normal(jax.random.key(1), (1, 77, 1024))
+    step = jax.jit(lambda p, x, c: nnx.merge(graph, p)(x, jnp.asarray([999.0]), c))
+    systems = {"f32": params, "w8a8": quantized}
+    for p in systems.values():
+        step(p, x, context).block_until_ready()  # compiled
+    best, outs = dict.fromkeys(systems, float("inf")), {}
+    for _ in range(rounds):
+        for name, p in systems.items():
+            start = time.perf_counter()
+            outs[name] = np.asarray(step(p, x, context), np.float64)
+            best[name] = min(best[name], time.perf_counter() - start)
+    pinned.release()
+    err = np.sqrt(np.mean((outs["w8a8"] - outs["f32"]) ** 2) / np.mean(outs["f32"] ** 2))
+    print(f"UNet step, best of {rounds}: f32 {best['f32']:.2f} s, w8a8 {best['w8a8']:.2f} s "
+          f"({best['f32'] / best['w8a8']:.2f}x); w8a8's output {err:.1%} RMS off f32's (random weights)")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
