@@ -90,10 +90,10 @@ class LoadedModel:
         return FAMILIES[self.family].latent.channels(self.vae_config)
 
     def tokenize(self, text: str, what: str = "prompt") -> tuple[np.ndarray, list[str]]:
-        """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL), [1, 0] with none (a text side
-        whose prompt travels in its extra inputs)."""
+        """ids [1, 77] with one tokenizer, [1, tokenizers, 77] with several (SDXL), one placeholder [1, 1] with none
+        (a text side whose prompt travels in its extra inputs; `prompts.tokenize_plain`)."""
         if not self.tokenizers:
-            return np.zeros((1, 0), np.int32), []
+            return np.zeros((1, 1), np.int32), []
         rows, warnings = [], []
         for tokenizer in self.tokenizers:
             ids, notes = tokenizer(text, what)

@@ -266,9 +266,10 @@ def tokenize_prompt(
 def tokenize_plain(tokenizers: Sequence[Any], text: str) -> TokenizedPrompt:
     """One chunk of each CLIP tokenizer's first 77 tokens, no emphasis (brackets are text): what diffusers' SD3 and
     FLUX.1 pipelines give their CLIP encoders, whose T5 encoder reads the long prompt. [1, 77] or [1, encoders, 77].
-    No tokenizers (a text side whose prompt travels in its extra inputs only): ids [1, 0]."""
+    No tokenizers (a text side whose prompt travels in its extra inputs only): one placeholder id, [1, 1] zeros (an
+    array of no entries would not split into each device's lanes, `pipeline.take_lanes`)."""
     if not tokenizers:
-        none = np.zeros((1, 0), np.int32)
+        none = np.zeros((1, 1), np.int32)
         return TokenizedPrompt(none, np.ones(none.shape, np.float32), 0, none[0])
     rows = [tokenizer(text)[0][0] for tokenizer in tokenizers]  # `loading.Tokenizer`: padded, truncated at 77
     ids = np.stack(rows)[None] if len(rows) > 1 else rows[0][None]
