@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from engine import load_pipeline
 from engine.loading.sources import DEFAULT_MODEL
 from tools import shapes
-from tools.evaluate import analyse, engine_drawer, evaluate
+from tools.evaluate import analyse, consecutive_runs, engine_drawer, evaluate
 
 COLOUR_ACCURACY = 0.9
 SHAPE_ACCURACY = 0.75
@@ -62,6 +62,11 @@ def test_the_held_out_pairs_never_appear_in_training_scenes():
     for _ in range(500):
         for shape in shapes.sample_scene(rng).shapes:
             assert (shape.colour, shape.kind) not in shapes.HELD_OUT
+
+
+def test_consecutive_seeds_are_drawn_a_batch_at_a_time():
+    assert consecutive_runs([0, 1, 2, 3], 8) == [[0, 1, 2, 3]]  # SEEDS: one request of four pictures a prompt
+    assert consecutive_runs([0, 1, 2, 5, 6, 9, 8], 2) == [[0, 1], [2], [5, 6], [9], [8]]
 
 
 def test_the_default_model_draws_the_colours_and_shapes_it_is_asked_for(pipe):

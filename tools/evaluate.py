@@ -177,16 +177,16 @@ class Report:
 
 
 def evaluate(
-    draw: Callable[[str, int], np.ndarray],
+    draw: Callable[[str, Sequence[int]], Sequence[np.ndarray]],
     prompts: Sequence[tuple[str, str, str]] = PROMPTS,
     seeds: Sequence[int] = (0,),
 ) -> Report:
-    """`draw(prompt, seed)` returns an image [h, w, 3]; each prompt is drawn once per seed."""
+    """`draw(prompt, seeds)` returns an image [h, w, 3] for each seed; each prompt is drawn once per seed."""
     rows = []
     for colour, kind, background in prompts:
         prompt = caption(colour, kind, background)
-        for seed in seeds:
-            a = analyse(draw(prompt, seed))
+        for seed, image in zip(seeds, draw(prompt, seeds), strict=True):
+            a = analyse(image)
             rows.append(
                 {
                     "prompt": prompt,
@@ -203,11 +203,29 @@ def evaluate(
     return Report(rows)
 
 
-def engine_drawer(pipe, **settings) -> Callable[[str, int], np.ndarray]:
-    """`draw` for an `engine.Engine` with its default settings (or `settings` over them)."""
+def consecutive_runs(seeds: Sequence[int], longest: int) -> list[list[int]]:
+    """`seeds` cut into runs of consecutive values, in order, each at most `longest` long."""
+    runs: list[list[int]] = []
+    for seed in seeds:
+        if runs and len(runs[-1]) < longest and seed == runs[-1][-1] + 1:
+            runs[-1].append(seed)
+        else:
+            runs.append([seed])
+    return runs
 
-    def draw(prompt: str, seed: int) -> np.ndarray:
-        return pipe.generate(prompt, seed=seed, num_images=1, **settings).arrays[0]
+
+def engine_drawer(pipe, **settings) -> Callable[[str, Sequence[int]], list[np.ndarray]]:
+    """`draw` for an `engine.Engine` with its default settings (or `settings` over them).
+
+    Consecutive seeds are drawn as one request of as many images (image k's seed is the request's plus k), a batch
+    at most: the pictures one request per seed draws (to within 3e-5), for less. On the embedded model (2 Zen 3
+    cores) one request of four pictures took 0.85 s of CPU time, four requests of one 1.4 s."""
+
+    def draw(prompt: str, seeds: Sequence[int]) -> list[np.ndarray]:
+        images = []
+        for run in consecutive_runs(seeds, pipe.batch_size):
+            images += list(pipe.generate(prompt, seed=run[0], num_images=len(run), **settings).arrays)
+        return images
 
     return draw
 
