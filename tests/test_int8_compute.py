@@ -161,6 +161,13 @@ def test_w8a8_is_refused_for_a_denoiser_other_than_a_unet():
         quantize_params(params, "transformer", mode="w8a8")
 
 
+def test_w8a8_is_refused_off_the_cpu(monkeypatch):
+    _, params = nnx.split(Models(unet=Net(nnx.Rngs(0))))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="computes in int8 on a CPU; on gpu start without it"):
+        quantize_params(params, "unet", mode="w8a8")
+
+
 # The embedded model's pictures in w8a8 against its f32 ones, same prompt and latents, 2 steps at 64x64: measured
 # 34.1 dB on a Zen 3 (AVX2, oneDNN's kernels); the bound sits 4 dB under.
 PSNR_BOUND = 30.0

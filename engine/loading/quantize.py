@@ -111,7 +111,8 @@ def quantize_params(
     `min_size` entries quantized; every other leaf is the same object as before. `mode` "int8": each linear kernel
     becomes an `Int8Kernel` (weight-only: widened inside the program, saves memory); "w8a8": each linear and
     convolution kernel but the first and last convolutions' becomes an `int8.QuantizedKernel`, which the layers
-    compute with in int8 (engine/nn/int8.py: activations quantized per call; on a CPU, oneDNN's int8 kernels)."""
+    compute with in int8 (engine/nn/int8.py: activations quantized per call; oneDNN's int8 kernels): a UNet's, on a
+    CPU (refused for any other denoiser or backend, whose int8 compute nothing measured or checked)."""
     components = {component} if isinstance(component, str) else set(component)
     missing = components - set(params.keys())
     if missing:
@@ -122,6 +123,11 @@ def quantize_params(
         raise ConfigError(
             f"quantize='w8a8' computes a UNet's layers in int8; this model's {', '.join(sorted(components))} takes "
             "quantize='int8' (int8 weights, float compute) or none"
+        )
+    if mode == "w8a8" and jax.default_backend() != "cpu":  # an accelerator's bf16 is its fast path
+        raise ConfigError(
+            f"quantize='w8a8' computes in int8 on a CPU; on {jax.default_backend()} start without it (bf16 is the "
+            "fast path there) or with quantize='int8'"
         )
     chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
     flat = list(nnx.to_flat_state(params))
