@@ -21,14 +21,21 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from . import flux, lcm, sd, sd3, sdxl
+from . import flux, lcm, sd, sd3, sdxl, z_image
 from .base import Conditioning, Denoiser, Family, LatentFormat, Models, Sampling, TextSide, Variant
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY, sd3.FAMILY, flux.FAMILY)
+    family.name: family for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY, sd3.FAMILY, flux.FAMILY, z_image.FAMILY)
 }
 DEFAULT_FAMILY = sd.FAMILY.name  # what a `Plan` that names none samples with
-VARIANTS: tuple[Variant, ...] = (*sd.VARIANTS, *sdxl.VARIANTS, *lcm.VARIANTS, *sd3.VARIANTS, *flux.VARIANTS)
+VARIANTS: tuple[Variant, ...] = (
+    *sd.VARIANTS,
+    *sdxl.VARIANTS,
+    *lcm.VARIANTS,
+    *sd3.VARIANTS,
+    *flux.VARIANTS,
+    *z_image.VARIANTS,
+)
 PIPELINE_FAMILIES: dict[str, str] = {name: v.family for v in VARIANTS for name in v.pipelines}
 # Each family's prompt encoder by name: what `Plan.family` selects inside the programs.
 ENCODERS = {name: family.text.encode for name, family in FAMILIES.items()}

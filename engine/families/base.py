@@ -249,6 +249,9 @@ class Sampling:
     turbo_defaults: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({"num_inference_steps": 1, "guidance_scale": 0.0})
     )
+    # (the folder's scheduler config) -> whether it is this family's Turbo schedule, for a family whose Turbo differs
+    # from its base model in the scheduler alone (Z-Image-Turbo: a static shift of 3, the base model's 6)
+    turbo_schedule: Callable[[Any], bool] = field(default=lambda scheduler: False, repr=False)
     # The flow schedule FluxPipeline asks for: sigmas linspace(1, 1/n, n) (`schedulers.tables(uniform_sigmas=)`)
     uniform_sigmas: bool = False
 

@@ -102,10 +102,11 @@ class LoadedModel:
         return (rows[0] if len(rows) == 1 else np.stack(rows, axis=1)), warnings
 
 
-def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig) -> bool:
-    """Turbo folders ship a "trailing" schedule (zero-SNR models do too, with many steps; not those)."""
+def is_turbo(folder: ModelFolder, scheduler: SchedulerConfig, family: Family) -> bool:
+    """Turbo folders ship a "trailing" schedule (zero-SNR models do too, with many steps; not those), or the one
+    their family's Turbo has (`Sampling.turbo_schedule`)."""
     trailing = scheduler.timestep_spacing == "trailing" and not scheduler.rescale_betas_zero_snr
-    return trailing or "turbo" in folder.name.lower()
+    return trailing or "turbo" in folder.name.lower() or family.sampling.turbo_schedule(scheduler)
 
 
 def _defaults(
@@ -116,7 +117,7 @@ def _defaults(
     defaults = {"height": side, "width": side, **variant.defaults, **family.sampling.config_defaults(configs)}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
-    if is_turbo(folder, scheduler):
+    if is_turbo(folder, scheduler, family):
         defaults.update(family.sampling.turbo_defaults)
     extra_path = folder.root / "jax_sd.json"
     extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
@@ -226,7 +227,7 @@ def load_model_folder(
         scheduler_config=sched_cfg,
         tokenizers=[Tokenizer(folder.component(name)) for name in variant.tokenizers],
         defaults=defaults,
-        label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg) else ""),
+        label=variant.label + (" Turbo" if is_turbo(folder, sched_cfg, family) else ""),
         example_prompts=examples,
         max_clip_skip=min(configs[name].num_hidden_layers for name in text.encoders) - 1 if text.clip_skip else 0,
         extra_inputs=text.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
