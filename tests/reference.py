@@ -120,6 +120,17 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.
     return model.eval()
 
 
+def randomized(cls: type[torch.nn.Module], seed: int = 0, std: float = 0.1, **config) -> torch.nn.Module:
+    """`randomize(cls(**config), seed, std)`, the same weights, without the module's own initialisation, which
+    `randomize` overwrites: the model is built on the meta device and given memory only for the draw. At real widths
+    (a block of each kind of FLUX.1, 546M parameters) that skips 4-5 s of a core's time."""
+    with torch.device("meta"):
+        model = cls(**config)
+    # A buffer would be left as uninitialised memory: such a model is built as usual.
+    model = model.to_empty(device="cpu") if not list(model.buffers()) else cls(**config)
+    return randomize(model, seed, std)
+
+
 def state_dict_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
