@@ -12,7 +12,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers import FluxTransformer2DModel as TorchFlux
 from flax import nnx
-from reference import nchw, nhwc, randomize, rel_error, state_dict_numpy
+from reference import nchw, nhwc, randomize, randomized, rel_error, state_dict_numpy
 from test_precision import assert_all_bf16, f32, heavy_ops, in_bf16
 
 from engine.errors import ConfigError
@@ -114,7 +114,7 @@ def test_flux_matches_diffusers(layout, size):
 def test_flux1_block_shapes_match_diffusers():
     start = time.perf_counter()
     # std 0.02 keeps the activations near 1 at FLUX.1's width (3072); the default 0.1 grows them 5x per layer.
-    ref = randomize(TorchFlux(**FLUX1), std=0.02)
+    ref = randomized(TorchFlux, std=0.02, **FLUX1)
     ours = ours_from_torch(ref)
     values = inputs(ours.config, (32, 32), tokens=16)
     want = diffusers_prediction(ref, **values)
