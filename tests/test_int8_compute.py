@@ -139,6 +139,7 @@ def test_a_convolution_stays_within_its_quantization_steps(path, stride):
 class Net(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.conv_in = layers.conv(4, 64, 3, rngs)  # the first and last convolutions stay in float
+        self.conv_shortcut = layers.conv(64, 64, 1, rngs)  # so do the ResNet blocks' 1x1 shortcuts
         self.mid = layers.conv(64, 64, 3, rngs)
         self.proj = layers.linear(64, 48, rngs)
         self.head = layers.linear(48, 4, rngs)  # 192 entries: too small to quantize
@@ -169,8 +170,8 @@ def test_w8a8_is_refused_off_the_cpu(monkeypatch):
 
 
 # The embedded model's pictures in w8a8 against its f32 ones, same prompt and latents, 2 steps at 64x64: measured
-# 34.1 dB on a Zen 3 (AVX2, oneDNN's kernels); the bound sits 4 dB under.
-PSNR_BOUND = 30.0
+# 36.4 dB on a Zen 3 (AVX2, oneDNN's kernels); the bound sits 4 dB under.
+PSNR_BOUND = 32.0
 
 
 @pytest.mark.slow  # about 65 s on two busy cores: two engines' plans compiled
