@@ -27,13 +27,16 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
+from fastapi.testclient import TestClient
 from qwen_reference import QWEN3_LAYOUTS, save_tiny_qwen_tokenizer, tiny_qwen3
 from reference import VAE_LAYOUT, randomize
 from test_image_modes import mask, picture
 from transformers import AutoTokenizer
 
+import web
 from engine import GenerationRequest, load_pipeline
 from engine.errors import ConfigError
+from tests._api_server import b64png, decode_png, max_pixel_difference
 
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"
 TOLERANCE = 1 / 255
@@ -219,3 +222,30 @@ def test_a_text_encoder_of_another_width_is_refused(zimage, tmp_path_factory):
     (broken / "transformer" / weights.name).symlink_to(weights)
     with pytest.raises(ConfigError, match="cap_feat_dim 48"):
         load_pipeline(broken, safety_checker=False)
+
+
+def test_the_doors_draw_the_engines_pictures(zimage):
+    """AUTOMATIC1111's txt2img and img2img and OpenAI's generations over a Z-Image engine: each door's picture is
+    the engine's own for the values it was sent (Turbo's way, CFG scale 1: no unconditional row)."""
+    _, ours, _ = zimage
+    fields = dict(prompt=PROMPT, width=32, height=32, scheduler="flow_euler", guidance_scale=1.0)
+    drawn = lambda **values: ours.submit(GenerationRequest(**{**fields, **values})).result(300).images[0]  # noqa: E731
+    body = dict(prompt=PROMPT, seed=5, steps=2, cfg_scale=1.0, width=32, height=32, sampler_name="Euler")
+    with TestClient(web.build_app(ours)) as client:
+        answer = client.post("/sdapi/v1/txt2img", json=body)
+        assert answer.status_code == 200, answer.text
+        want = drawn(seed=5, num_inference_steps=2)
+        assert max_pixel_difference(decode_png(answer.json()["images"][0]), want) == 0
+
+        start = picture(32)
+        image2image = {**body, "init_images": [b64png(start)], "denoising_strength": 0.6, "steps": 5}
+        answer = client.post("/sdapi/v1/img2img", json=image2image)
+        assert answer.status_code == 200, answer.text
+        want = drawn(seed=5, num_inference_steps=5, image=start, strength=0.6)
+        assert max_pixel_difference(decode_png(answer.json()["images"][0]), want) == 0
+
+        openai = dict(prompt=PROMPT, size="32x32", seed=7, num_inference_steps=2, guidance_scale=1.0)
+        answer = client.post("/v1/images/generations", json=openai)
+        assert answer.status_code == 200, answer.text
+        want = drawn(seed=7, num_inference_steps=2)
+        assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), want) == 0
