@@ -254,10 +254,20 @@ class Sampling:
     turbo_schedule: Callable[[Any], bool] = field(default=lambda scheduler: False, repr=False)
     # The flow schedule FluxPipeline asks for: sigmas linspace(1, 1/n, n) (`schedulers.tables(uniform_sigmas=)`)
     uniform_sigmas: bool = False
+    # (image tokens, steps) -> the flow schedule's dynamic shift where the pipeline computes it itself (FLUX.2
+    # [klein]: `compute_empirical_mu`, `schedulers.tables(mu=)`); None: the scheduler config's `calculate_shift`
+    shift: Callable[[int, int], float] | None = field(default=None, repr=False)
+    # (model_index.json) -> whether the folder is step-distilled and takes no guidance whatever the scale, as its
+    # pipeline ignores it (FLUX.2 [klein]'s `is_distilled`); such a folder gets `turbo_defaults`
+    distilled: Callable[[Mapping[str, Any]], bool] = field(default=lambda index: False, repr=False)
 
 
 def no_layout_check(configs: Mapping[str, Any], where: str) -> None:
     return None
+
+
+def every_tensor(component: str, config: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    return tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,6 +288,9 @@ class Family:
     check_layout: Callable[[Mapping[str, Any], str], None] = field(default=no_layout_check, repr=False)
     # Components a folder of this family may leave out (model_index.json [null, null]): SD3 without T5
     optional: frozenset[str] = frozenset()
+    # (component, its config, its checkpoint's tensors) -> the tensors its built network loads: a decoder LM built up
+    # to the last layer read leaves the later layers and its `lm_head` out (FLUX.2 [klein]'s Qwen3ForCausalLM)
+    tensors: Callable[[str, Any, dict[str, Any]], dict[str, Any]] = field(default=every_tensor, repr=False)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ class LoadedModel:
     config_folder: ModelFolder | None = None
     # Textual inversion embeddings in the text encoders' tables (`loading.textual_inversion.attach_embeddings`)
     embeddings: Embeddings = NO_EMBEDDINGS
+    # Whether the model takes classifier-free guidance: not a step-distilled folder's (`Sampling.distilled`)
+    guided: bool = True
 
     @property
     def vae_scale_factor(self) -> int:
@@ -117,7 +119,7 @@ def _defaults(
     defaults = {"height": side, "width": side, **variant.defaults, **family.sampling.config_defaults(configs)}
     if scheduler.default_kind in SCHEDULERS:
         defaults["scheduler"] = scheduler.default_kind
-    if is_turbo(folder, scheduler, family):
+    if is_turbo(folder, scheduler, family) or family.sampling.distilled(folder.index):
         defaults.update(family.sampling.turbo_defaults)
     extra_path = folder.root / "jax_sd.json"
     extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
@@ -200,7 +202,9 @@ def load_model_folder(
     else:
         by_component = {name: read_safetensors(folder.weight_files(name, weights_variant)) for name in configs}
     tensors = {
-        f"{name}.{key}": value for name in configs for key, value in rename_legacy(by_component.get(name, {})).items()
+        f"{name}.{key}": value
+        for name in configs
+        for key, value in family.tensors(name, configs[name], rename_legacy(by_component.get(name, {}))).items()
     }
 
     host = None
@@ -232,4 +236,5 @@ def load_model_folder(
         max_clip_skip=min(configs[name].num_hidden_layers for name in text.encoders) - 1 if text.clip_skip else 0,
         extra_inputs=text.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
         config_folder=folder if single is not None else None,
+        guided=not family.sampling.distilled(folder.index),
     )

@@ -65,7 +65,7 @@ class Jobs:
             latent_width=r.width // factor,
             scheduler=r.scheduler,
             max_steps=self.limits.max_steps,
-            guidance=r.guided and not by_embedding,
+            guidance=r.guided and self.model.guided and not by_embedding,
             family=self.model.family,
             clip_skip=int(r.clip_skip),
             chunks=chunks,
@@ -86,6 +86,8 @@ class Jobs:
         one = dataclasses.replace(plan, batch=1, devices=1)
         extra = {k: v[0] for k, v in self.model.extra_inputs(one, r.prompt, r.negative_prompt).items()}
         family, patch = FAMILIES[self.model.family], self.model.patch_size
+        image_tokens = (plan.latent_height // patch) * (plan.latent_width // patch)
+        shift = family.sampling.shift
         latents = None
         if r.latents is not None:
             want = (r.num_images, self.model.latent_channels, plan.latent_height, plan.latent_width)
@@ -103,8 +105,9 @@ class Jobs:
             strength=None if plan.mode == "txt2img" else float(1.0 if r.strength is None else r.strength),
             inpaint=plan.mode == "inpaint",
             eta=float(r.eta),
-            image_tokens=(plan.latent_height // patch) * (plan.latent_width // patch),
+            image_tokens=image_tokens,
             uniform_sigmas=family.sampling.uniform_sigmas,
+            mu=None if shift is None else shift(image_tokens, r.num_inference_steps),
         )
         return Job(
             ticket=ticket,
