@@ -12,7 +12,7 @@ import torch
 from diffusers import Flux2KleinPipeline
 from diffusers import Flux2Transformer2DModel as TorchFlux2
 from flax import nnx
-from reference import nchw, nhwc, randomize, rel_error, state_dict_numpy
+from reference import nchw, nhwc, randomize, randomized, rel_error, state_dict_numpy
 from test_precision import assert_all_bf16, f32, heavy_ops, in_bf16
 
 from engine.errors import ConfigError
@@ -237,7 +237,7 @@ def test_klein_denoisers_bytes_in_bf16_and_int8(config, sizes):
 def klein_blocks():
     """One block of each kind at Klein-4B's widths (560M parameters): our f32 model, its inputs (256 latent, 64
     reference and 32 text tokens) and diffusers' prediction. std 0.02 keeps the activations near 1 at width 3072."""
-    ref = randomize(TorchFlux2(**KLEIN_4B_BLOCKS), std=0.02)
+    ref = randomized(TorchFlux2, std=0.02, **KLEIN_4B_BLOCKS)
     ours = ours_from_torch(ref)
     values = inputs(ours.config, (16, 16), [(8, 8)], tokens=32, seed=1)
     want = diffusers_prediction(ref, **values)
