@@ -26,7 +26,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 from diffusers import ZImageTransformer2DModel as TorchZImage
 from diffusers.models.transformers.transformer_z_image import TimestepEmbedder
 from flax import nnx
-from reference import nhwc, randomize, rel_error, state_dict_numpy
+from reference import nhwc, randomize, randomized, rel_error, state_dict_numpy
 from test_precision import assert_all_bf16, f32, heavy_ops, in_bf16
 
 from engine import schedulers as S
@@ -319,7 +319,7 @@ def test_z_image_turbos_bytes_in_bf16_and_in_int8():
 def test_z_image_turbo_blocks_match_diffusers_and_int8_stays_near():
     started = time.perf_counter()
     # std 0.02 keeps the activations near 1 at Z-Image's width (3840); the default 0.1 grows them 5x per layer.
-    ref = randomize(TorchZImage(**ONE_BLOCK_EACH), std=0.02)
+    ref = randomized(TorchZImage, std=0.02, **ONE_BLOCK_EACH)
     ours = ours_from_torch(ref)
     x, cap_feats, lengths = inputs(ours.config, (16, 16), (20, 45))  # 64 patches; captions padded to 32 and 64
     want = diffusers_velocity(ref, x, SCHEDULER_T, cap_feats, lengths)
