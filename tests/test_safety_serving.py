@@ -82,7 +82,9 @@ def test_the_checker_can_be_turned_off_for_local_use(strict):
 def test_the_page_shows_placeholders_or_with_the_flag_the_pictures(strict, tmp_path, off):
     from gradio_client import Client
 
-    server = AppServer(tmp_path, "--model", str(strict), *(["--no-safety-checker"] if off else [])).wait_until_up()
+    # Two pictures by default: the start-up warm-up compiles the programs the request below runs, not narrower ones.
+    flags = ["--model", str(strict), "--images-per-device", "2", *(["--no-safety-checker"] if off else [])]
+    server = AppServer(tmp_path, *flags).wait_until_up()
     try:
         client = Client(server.url, verbose=False, download_files=str(tmp_path / "downloads"))
         gallery, seed, info = client.predict(
