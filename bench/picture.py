@@ -8,7 +8,8 @@ with the same VAE, on random-weight models of the shapes a CPU user picks.
 Each model is written once with diffusers (`save_pretrained`): the pipeline folder and a TAESD-shaped
 `AutoencoderTiny` folder beside it. Each system runs in a process of its own, the systems taking turns for
 `--rounds` rounds; each keeps its fastest picture (after a warm-up call) per step count. Systems:
-`ours-bf16` (bf16 through oneDNN, engine/nn/onednn.py: the app's default on a CPU with native bf16), `ours`
+`ours-bf16` (bf16 through oneDNN, engine/nn/onednn.py: the app's default on a CPU with native bf16), `ours-w8a8`
+(`--quantize w8a8`: the UNet's products in oneDNN's int8, engine/nn/int8.py), `ours`
 (f32, the app's core pair) with the model's own KL VAE and with the tiny one (`vae=`), `diffusers`
 f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diffusers-kl` f32 with the KL VAE, and
 `openvino-taesd` (asked for by name, after `pip install --no-deps -r bench/requirements-openvino.txt`): FastSD CPU's
@@ -117,12 +118,16 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
     return pipe_dir, tiny_dir
 
 
-def time_ours(pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str, speedups: dict) -> dict:
+def time_ours(
+    pipe_dir: Path, tiny_dir: Path | None, spec: dict, steps: list[int], dtype: str, speedups: dict, quantize=None
+) -> dict:
     from engine import keep_freed_memory, load_pipeline, pair_cores
 
-    pair_cores(dtype)  # as the app runs on a CPU host: core pairs in f32, none in bf16 through oneDNN
+    # as the app runs on a CPU host: core pairs in f32, none in bf16 through oneDNN nor in oneDNN's int8
+    pair_cores(dtype, int8=quantize == "w8a8")
     keep_freed_memory()  # as the app does
-    pipe = load_pipeline(pipe_dir, dtype, **({"vae": str(tiny_dir)} if tiny_dir else {}), previews=False)
+    vae = {"vae": str(tiny_dir)} if tiny_dir else {}
+    pipe = load_pipeline(pipe_dir, dtype, **vae, previews=False, quantize=quantize)
     size, kwargs = spec["size"], dict(guidance_scale=spec["guidance"], scheduler=spec["scheduler"])
     kwargs.update(speedups)  # deep_cache, token_merging
 
@@ -219,6 +224,7 @@ def best(call, reps: int = 2) -> float:
 
 SYSTEMS = (
     "ours-bf16-taesd",
+    "ours-w8a8-taesd",
     "ours-taesd",
     "ours-kl",
     "diffusers-taesd",
@@ -235,7 +241,8 @@ def worker(system: str, model: str, folder: Path, steps: list[int], speedups: di
         return time_openvino(pipe_dir, tiny_dir, MODELS[model], steps)
     if system.startswith("ours"):
         dtype = "bfloat16" if "bf16" in system else "float32"
-        return time_ours(pipe_dir, tiny, MODELS[model], steps, dtype, speedups)
+        quantize = "w8a8" if "w8a8" in system else None
+        return time_ours(pipe_dir, tiny, MODELS[model], steps, dtype, speedups, quantize)
     return time_diffusers(pipe_dir, tiny, MODELS[model], steps, bf16="bf16" in system)
 
 
