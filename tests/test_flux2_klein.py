@@ -2,12 +2,16 @@
 
 One tiny `Flux2KleinPipeline` (a 28-layer Qwen3 of width 16, since layers 9, 18 and 27 are read; a FLUX.2
 transformer of 1 + 2 blocks; a FLUX.2 VAE with 4 latent channels and batch-norm statistics far from (0, 1)) saved
-twice: as a distilled folder (model_index.json `is_distilled`) and as a base one. The same prompt and initial
+twice: as a distilled folder (model_index.json `is_distilled`) and as a base one, whose engine runs its text encoder
+on the host. The same prompt and initial
 latents (the pipeline's: 2x2 patches of the VAE's latents, [n, 16, h/4, w/4]) go through diffusers and through
 `load_pipeline(folder).generate`, in f32: pictures within 1/255 on 0..1.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ from reference import randomize
 from transformers import AutoTokenizer
 
 from engine import GenerationRequest, load_pipeline, schedulers
+from engine.errors import ConfigError
 from engine.families.flux2 import empirical_mu
 from engine.schedulers import SchedulerConfig
 
@@ -85,15 +90,20 @@ def build_reference(folder) -> Flux2KleinPipeline:
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    """The reference pipeline, and our engine on its distilled and its base folder."""
+    """The reference pipeline, our engine on its distilled and its base folder, and the folders."""
     reference = build_reference(tmp_path_factory.mktemp("parts"))
     folders = {}
     for kind, distilled in (("distilled", True), ("base", False)):
         reference.register_to_config(is_distilled=distilled)
         folders[kind] = tmp_path_factory.mktemp(kind)
         reference.save_pretrained(folders[kind])
-    engines = {kind: load_pipeline(folder, safety_checker=False, max_batch_size=4) for kind, folder in folders.items()}
-    yield reference, engines
+    engines = {
+        "distilled": load_pipeline(folders["distilled"], safety_checker=False, max_batch_size=4),
+        # Qwen3 on the host's CPU (its first 27 layers, from the causal LM's checkpoint), its layers sent with each
+        # request: the base model's pictures prove that path too
+        "base": load_pipeline(folders["base"], safety_checker=False, t5="host"),
+    }
+    yield reference, engines, folders
     for engine in engines.values():
         engine.close()
 
@@ -116,7 +126,7 @@ def run_reference(reference, start: np.ndarray, height: int, width: int, distill
 
 @pytest.mark.parametrize(("height", "width", "steps"), [(32, 32, 4), (32, 48, 2)])
 def test_distilled_pictures_match_diffusers(klein, height, width, steps):
-    reference, engines = klein
+    reference, engines, _ = klein
     start = latents(height, width, n=2)
     want = run_reference(reference, start, height, width, True, num_inference_steps=steps, guidance_scale=1.0)
     got = (
@@ -129,8 +139,10 @@ def test_distilled_pictures_match_diffusers(klein, height, width, steps):
 
 
 def test_base_pictures_match_diffusers_with_guidance(klein):
-    """The base model's unconditional row reads the empty prompt, as the pipeline's does, at the request's scale."""
-    reference, engines = klein
+    """The base model's unconditional row reads the empty prompt, as the pipeline's does, at the request's scale;
+    its text encoder runs on the host."""
+    reference, engines, _ = klein
+    assert "text_encoder" not in engines["base"].params and "text_encoder" in engines["distilled"].params
     start = latents(32, 32)
     want = run_reference(reference, start, 32, 32, False, num_inference_steps=3, guidance_scale=4.0)
     args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=3)
@@ -142,7 +154,7 @@ def test_base_pictures_match_diffusers_with_guidance(klein):
 
 def test_a_distilled_model_takes_no_guidance(klein):
     """As the pipeline, which ignores the scale of a step-distilled model: no unconditional row, the same picture."""
-    _, engines = klein
+    _, engines, _ = klein
     args = dict(height=32, width=32, num_images=1, latents=latents(32, 32), num_inference_steps=2)
     plain = engines["distilled"].generate(PROMPT, guidance_scale=1.0, **args).arrays
     scaled = engines["distilled"].generate(PROMPT, guidance_scale=4.0, **args).arrays
@@ -150,7 +162,7 @@ def test_a_distilled_model_takes_no_guidance(klein):
 
 
 def test_defaults_tell_distilled_from_base(klein):
-    _, engines = klein
+    _, engines, _ = klein
     for kind, (steps, guidance) in {"distilled": (4, 1.0), "base": (50, 4.0)}.items():
         engine = engines[kind]
         assert engine.family == "flux2"
@@ -159,7 +171,7 @@ def test_defaults_tell_distilled_from_base(klein):
 
 def test_mixed_requests_share_a_batch_and_get_their_own_pictures(klein):
     """Sizes, prompts and step counts of one model: each picture as drawn alone, and nothing compiled anew."""
-    _, engines = klein
+    _, engines, _ = klein
     engine = engines["distilled"]
     mixed = [
         dict(seed=1, num_inference_steps=2),
@@ -173,3 +185,12 @@ def test_mixed_requests_share_a_batch_and_get_their_own_pictures(klein):
     for ticket, want in zip(tickets, alone, strict=True):
         assert np.abs(ticket.result(300).arrays - want).max() <= 1 / 255
     assert engine.compile_count == compiled
+
+
+def test_a_text_encoder_of_another_width_is_refused_by_name(klein, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wide")
+    shutil.copytree(klein[2]["distilled"], folder, dirs_exist_ok=True)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "joint_attention_dim": 40}))
+    with pytest.raises(ConfigError, match=r"not a consistent FLUX.2 \[klein\] model: 3 of the text encoder's layers"):
+        load_pipeline(folder, safety_checker=False)

@@ -138,13 +138,16 @@ def checkpoint_tensors(component: str, config: Any, tensors: dict[str, Any]) -> 
 
 
 def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
-    """The text encoder up to the last layer read (27 of Qwen3-4B's 36), the transformer and the VAE."""
-    qwen = configs["text_encoder"]
-    return {
-        "text_encoder": Qwen3Model(qwen, rngs, num_layers=FLUX2_KLEIN.layers(qwen)),
+    """The transformer, the VAE and the text encoder up to the last layer read (27 of Qwen3-4B's 36), unless the
+    host runs it (`loading.host_encoder`)."""
+    networks = {
         "transformer": Flux2Transformer2DModel(configs["transformer"], rngs),
         "vae": AutoencoderKLFlux2(configs["vae"], rngs),
     }
+    if "text_encoder" in configs:
+        qwen = configs["text_encoder"]
+        networks["text_encoder"] = Qwen3Model(qwen, rngs, num_layers=FLUX2_KLEIN.layers(qwen))
+    return networks
 
 
 PIPELINES = ("Flux2KleinPipeline",)
