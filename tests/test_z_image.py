@@ -124,6 +124,20 @@ def test_pictures_match_diffusers(zimage, height, width, steps, guidance):
     assert np.abs(got - want).max() < TOLERANCE
 
 
+def test_a_prompt_past_512_tokens_is_cut_where_the_pipeline_cuts_it(zimage):
+    """The chat template's text is cut at 512 tokens, its closing tags included, as the pipeline's tokenizer call
+    (truncation=True) cuts it; the words past the cut change nothing."""
+    reference, ours, _ = zimage
+    long = PROMPT + ", " + "0123456789" * 60  # each digit a token: over 600 in 636 characters (the limit is 2000)
+    start = latents(32, 32)
+    args = dict(height=32, width=32, num_inference_steps=2)
+    want = run_reference(reference, start, prompt=long, guidance_scale=0.0, **args)
+    got = ours.generate(long, num_images=2, latents=start, guidance_scale=0.0, **args).arrays
+    assert np.abs(got - want).max() < TOLERANCE
+    longer = ours.generate(long + " and a green cat", num_images=2, latents=start, guidance_scale=0.0, **args)
+    assert np.abs(longer.arrays - got).max() == 0
+
+
 def test_mixed_requests_share_a_batch_and_get_their_own_pictures(zimage):
     """Two sizes, prompts of different lengths, step counts and guidance scales, in the two plans the test above
     compiled: each request's picture is the one it draws alone, and nothing is compiled anew, because a caption's
