@@ -22,7 +22,7 @@ from qwen_reference import QWEN3_LAYOUTS, save_tiny_qwen_tokenizer, tiny_qwen3
 from reference import randomize
 from transformers import AutoTokenizer
 
-from engine import GenerationRequest, load_pipeline, schedulers
+from engine import GenerationRequest, InvalidRequest, load_pipeline, schedulers
 from engine.errors import ConfigError
 from engine.families.flux2 import empirical_mu
 from engine.schedulers import SchedulerConfig
@@ -194,3 +194,11 @@ def test_a_text_encoder_of_another_width_is_refused_by_name(klein, tmp_path_fact
     config.write_text(json.dumps({**json.loads(config.read_text()), "joint_attention_dim": 40}))
     with pytest.raises(ConfigError, match=r"not a consistent FLUX.2 \[klein\] model: 3 of the text encoder's layers"):
         load_pipeline(folder, safety_checker=False)
+
+
+def test_what_klein_does_not_take_is_refused_by_name(klein):
+    _, engines, _ = klein
+    with pytest.raises(InvalidRequest, match="clip_skip"):
+        engines["distilled"].generate(PROMPT, clip_skip=1, height=32, width=32, num_inference_steps=1)
+    with pytest.raises(InvalidRequest, match="multiple of 4"):  # 2 pixels per latent, 2x2 latents per token
+        engines["distilled"].generate(PROMPT, height=34, width=32, num_inference_steps=1)
