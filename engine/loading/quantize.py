@@ -143,6 +143,37 @@ def quantize_params(
     )
 
 
+def quantize_tiny_decoder(params: nnx.State) -> nnx.State:
+    """`params` with a TAESD decoder's inner convolutions as `int8.QuantizedKernel`s (`--quantize w8a8` beside the
+    UNet's), its first (4 latent channels in) and last (3 colours out) in float as a UNet's conv_in and conv_out; the
+    same tree where the VAE is not a TAESD (a KL decoder, whose int8 pictures nothing measured) or there is none.
+
+    Why: TAESD's decode is most of a 512x512 picture's fixed part on a CPU without native bf16 (~140 GFLOP, nearly
+    all of it 64-channel 3x3 convolutions at 256x256 and 512x512): on 2 loaded Zen 3 cores 5.7 s in XLA's f32, 3.8 s
+    in int8, oneDNN's f32 6.7 s (bench/fixed_part.py). Only the decoder: the encoder (img2img's) keeps its precision.
+    A TAESD is told by its layout, the decoder's layers in one list (`vae.decoder.layers.N`, models/autoencoder_tiny.py).
+    """
+    if "vae" not in params or "layers" not in params["vae"].get("decoder", {}):
+        return params
+    ends = {0, max(params["vae"]["decoder"]["layers"].keys())}  # the first layer and the last: convolutions
+
+    def inner(path: tuple, value: Any) -> bool:
+        return (
+            path[:3] == ("vae", "decoder", "layers")
+            and path[3] not in ends
+            and str(path[-1]) == "kernel"
+            and len(value.shape) == 4
+        )
+
+    flat = list(nnx.to_flat_state(params))
+    return nnx.from_flat_state(
+        [
+            (path, var.replace(int8.quantize_kernel(var.get_value())) if inner(path, var.get_value()) else var)
+            for path, var in flat
+        ]
+    )
+
+
 def _is_int8(x: Any) -> bool:
     return isinstance(x, Int8Kernel)
 

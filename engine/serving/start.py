@@ -16,7 +16,7 @@ from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
 from ..loading.models_folder import ModelsFolder
 from ..loading.quantize import MODES as QUANTIZE_MODES
-from ..loading.quantize import quantize_params
+from ..loading.quantize import quantize_params, quantize_tiny_decoder
 from ..loading.textual_inversion import attach_embeddings, encoder_parts
 from ..loading.upscaler_folder import UpscalerFolder
 from ..loading.vae import attach_vae, load_vae
@@ -119,8 +119,8 @@ def load_pipeline(
     name -> LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
     `quantize`: "int8" keeps the denoiser's large linear kernels as int8 with one scale per output channel
     (engine/loading/quantize.py: about half their bf16 memory); "w8a8" computes the denoiser's linear layers and
-    convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU about twice f32's speed); or None; not with LoRAs,
-    which merge into kernels.
+    convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU about twice f32's speed), and a TAESD decoder's inner
+    convolutions; or None; not with LoRAs, which merge into kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
@@ -163,6 +163,8 @@ def load_pipeline(
         model = dataclasses.replace(
             model, params=quantize_params(model.params, FAMILIES[model.family].denoiser.component, mode=quantize)
         )
+    if quantize == "w8a8":  # a TAESD's decode in int8 too: most of a picture's fixed part on such a CPU
+        model = dataclasses.replace(model, params=quantize_tiny_decoder(model.params))
     checker = None
     if safety_checker:
         from ..loading.safety import load_safety_checker
