@@ -310,7 +310,7 @@ def test_the_command_line_hands_the_api_keys_and_the_body_limit_to_the_app(monke
     pipe = FakeEngine()
     pipe.start_warmup = lambda num_images: None
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: None)
-    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None: None)
+    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None, int8=False: None)
     monkeypatch.setattr(app.engine, "load_pipeline", lambda source=None, **serving: pipe)
     monkeypatch.setattr(app.web, "build_app", lambda engine, **options: seen.update(options))
     monkeypatch.setattr(app.web, "serve", lambda web_app, **kwargs: None)

@@ -321,7 +321,7 @@ def test_server_configuration_comes_from_flags_and_environment(monkeypatch, argv
     seen = {}
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: seen.setdefault("cache", True))
     # Asked for in a real start; here it would change this test process's own JAX devices.
-    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None: seen.setdefault("pairs", True))
+    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None, int8=False: seen.setdefault("pairs", True))
 
     def load_pipeline(source=None, **serving):
         seen.update(model=source, **serving)

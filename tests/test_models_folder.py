@@ -324,7 +324,7 @@ def test_the_command_line_serves_a_models_folder(monkeypatch, models, pool):
     seen = {}
     monkeypatch.setattr(pool, "start_warmup", lambda num_images: seen.setdefault("warmup", num_images))
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: None)
-    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None: None)
+    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None, int8=False: None)
     monkeypatch.setattr(
         app.engine, "load_models", lambda folder, **options: seen.update(options, folder=folder) or pool
     )

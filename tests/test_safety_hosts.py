@@ -106,7 +106,7 @@ def test_the_command_line_checks_names_on_loopback_only(monkeypatch):
     pipe = FakeEngine()
     pipe.start_warmup = lambda num_images: None
     monkeypatch.setattr(app.engine, "enable_compile_cache", lambda path=None: None)
-    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None: None)
+    monkeypatch.setattr(app.engine, "pair_cores", lambda dtype=None, int8=False: None)
     monkeypatch.setattr(app.engine, "load_pipeline", lambda source=None, **serving: pipe)
     monkeypatch.setattr(app.web, "build_app", lambda engine, **options: seen.append(options["allowed_hosts"]))
     monkeypatch.setattr(app.web, "serve", lambda web_app, **kwargs: None)
