@@ -253,7 +253,7 @@ class Sampling:
     # from its base model in the scheduler alone (Z-Image-Turbo: a static shift of 3, the base model's 6)
     turbo_schedule: Callable[[Any], bool] = field(default=lambda scheduler: False, repr=False)
     # The flow schedule FluxPipeline asks for: sigmas linspace(1, 1/n, n) (`schedulers.tables(uniform_sigmas=)`)
-    uniform_sigmas: bool = False
+    uniform_sigmas: bool | str = False  # or "torch": torch.linspace's sigmas, as ZImagePipeline computes them
     # (image tokens, steps) -> the flow schedule's dynamic shift where the pipeline computes it itself (FLUX.2
     # [klein]: `compute_empirical_mu`, `schedulers.tables(mu=)`); None: the scheduler config's `calculate_shift`
     shift: Callable[[int, int], float] | None = field(default=None, repr=False)

@@ -181,7 +181,10 @@ def load_model_folder(
     family = folder_family(folder)
     text = family.text
     if t5 == "off" and text.host_encoder is not None and text.host_encoder not in family.optional:
-        raise ConfigError(f"{folder.name}: this model needs its T5 encoder; keep it on the device or the host")
+        raise ConfigError(
+            f"{folder.name}: this model needs its {family.configs[text.host_encoder].__name__.removesuffix('Config')} "
+            f"text encoder ({text.host_encoder}); keep it on the device or the host"
+        )
     left_out = {text.host_encoder} if t5 == "off" else set()
     configs = {
         name: cls.from_json(folder.component(name) / "config.json")
