@@ -158,3 +158,32 @@ def test_ddim_eta_matches_diffusers_and_never_compiles(tmp_path_factory):
     assert ours.compile_count == compiled
     assert np.abs(pictures[1.0] - pictures[0.0]).max() > 0.01  # eta did reach the steps
     print("DDIM eta max abs errors:", errors)
+
+
+def test_plans_differing_in_scheduler_or_guidance_share_one_decode(tmp_path_factory):
+    """A new scheduler, or guidance switched off, is a new plan (new admit and advance programs) but the same VAE
+    decode: the second and third plans compile no decode, and their pictures still equal diffusers'."""
+    reference, ours = load_pair("sd1", tmp_path_factory)
+    size, steps = 80, 3  # a size no other test here draws: the first plan compiles its decode afresh
+    latents = np.random.default_rng(3).standard_normal((2, 4, size // 8, size // 8)).astype(np.float32)
+    prompt, negative = "a red circle on a blue background", "blurry photo"
+    plans, decodes = ours.compile_count, ours.programs.decode_compile_count
+    for scheduler, guidance in [("euler", 6.0), ("ddim", 6.0), ("ddim", 1.0)]:
+        want = run_reference(reference, scheduler, guidance, latents, [7, 8], steps, prompt, negative)
+        got = ours.generate(
+            prompt,
+            negative_prompt=negative,
+            seed=7,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            height=size,
+            width=size,
+            num_images=2,
+            scheduler=scheduler,
+            latents=latents,
+        )
+        assert got.compiled
+        assert np.abs(got.arrays - want).max() < TOLERANCE, (scheduler, guidance)
+        assert got.arrays.std() > 0.01
+    assert ours.compile_count == plans + 3
+    assert ours.programs.decode_compile_count == decodes + 1

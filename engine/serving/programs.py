@@ -4,6 +4,8 @@ A plan is a static shape: its three programs are compiled ahead of time, togethe
 its own), off the serving thread, so that a request for a new size never holds up the batches already
 running. The cache keeps at most `max_plans` plans; the least recently used one goes first, never a
 pinned one (the warm-up's). A batch keeps its own reference to the programs it runs, so an eviction never breaks it.
+The decode reads little of a plan (`decode_plan`): plans that differ only in scheduler, guidance, mode, steps and
+the like share one compiled decode per width, held by each plan's lanes and dropped with the last of them.
 JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
 """
 
@@ -13,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,9 +57,35 @@ def _compile(lowered: Lowered) -> tuple[Compiled, bool]:
     return compiled, getattr(hits, "count", 0) == before
 
 
-def _call_with_tail(program: Callable, tail: tuple, *args):
-    """`program(*args, *tail)`: a compiled program with its last arguments bound."""
-    return program(*args, *tail)
+def decode_plan(plan: Plan) -> Plan:
+    """The plan as `pipeline.decode_lanes` sees it: what it reads kept (the family, whose latent format and VAE
+    decode; the slots and their devices, which `take_lanes` slices; the latent size), every other field reset.
+    Plans equal here decode with the same program, so a new scheduler or guidance on/off compiles no decode."""
+    return Plan(
+        batch=plan.batch,
+        latent_height=plan.latent_height,
+        latent_width=plan.latent_width,
+        scheduler="",
+        max_steps=0,
+        guidance=False,
+        family=plan.family,
+        devices=plan.devices,
+    )
+
+
+class SharedDecode:
+    """A compiled decode called as `(params, latents)`, its last arguments (the safety checker's params) bound.
+
+    Every plan whose `decode_plan` and width match holds the same one in its lanes; `Programs` keeps them weakly,
+    so one lives exactly as long as a plan (or a batch) that runs it, and evicting a plan never breaks another."""
+
+    __slots__ = ("program", "tail", "__weakref__")
+
+    def __init__(self, program: Compiled, tail: tuple):
+        self.program, self.tail = program, tail
+
+    def __call__(self, params, latents):
+        return self.program(params, latents, *self.tail)
 
 
 def lane_widths(slots_per_device: int) -> tuple[int, ...]:
@@ -125,6 +154,9 @@ class Programs:
         self._example = example
         self.max_plans = max_plans
         self.compile_count = 0  # plans compiled (or loaded from disk) so far, evictions included
+        self.decode_compile_count = 0  # decodes compiled (or loaded from disk): plans sharing one count it once
+        self._decodes: weakref.WeakValueDictionary[tuple, SharedDecode] = weakref.WeakValueDictionary()
+        self._decoding: dict[tuple, Future] = {}  # decodes being compiled, for plans that need them meanwhile
         self._ready: OrderedDict[Plan, CompiledPlan] = OrderedDict()
         self._pending: dict[tuple[Plan, int], Future] = {}
         self._pinned: set[Plan] = set()
@@ -218,19 +250,43 @@ class Programs:
             return jitted.lower(plan, width, self.graphdef, self.params, *args)
 
         start = time.perf_counter()
-        # Tracing holds the GIL, XLA's compiler does not: trace the three programs here, one after the
-        # other, then compile them at once, each on a thread of its own (mostly one core each).
-        with jax.set_mesh(every.mesh):  # the programs see the mesh's axes (a core pair: engine/sampling/pairs.py)
-            lowered_decode, decode_args = self._lower_decode(plan, width, slots.x, every)
-            lowered = (
-                lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
-                lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
-                lowered_decode,
-            )
-        with ThreadPoolExecutor(len(lowered), thread_name_prefix="jax-sd-xla") as pool:
-            (admit, fresh_admit), (advance, fresh_advance), (decode, fresh_decode) = pool.map(_compile, lowered)
-        if decode_args:
-            decode = functools.partial(_call_with_tail, decode, decode_args)
+        key = (decode_plan(plan), width, slots.x.shape, str(slots.x.dtype))
+        with self._lock:  # another plan's decode, done or being compiled, or this build compiles it
+            decode = self._decodes.get(key)
+            waiting = self._decoding.get(key) if decode is None else None
+            mine: Future | None = None
+            if decode is None and waiting is None:
+                mine = self._decoding[key] = Future()
+        try:
+            # Tracing holds the GIL, XLA's compiler does not: trace the programs here, one after the
+            # other, then compile them at once, each on a thread of its own (mostly one core each).
+            with jax.set_mesh(every.mesh):  # the programs see the mesh's axes (a core pair: engine/sampling/pairs.py)
+                lowered = [
+                    lower(pipeline.admit, slots, admission, out_shardings=every, donate=donate),
+                    lower(pipeline.advance, slots, steps, out_shardings=(every, every), donate=donate),
+                ]
+                if mine is not None:
+                    lowered_decode, decode_args = self._lower_decode(key[0], width, slots.x, every)
+                    lowered.append(lowered_decode)
+            with ThreadPoolExecutor(len(lowered), thread_name_prefix="jax-sd-xla") as pool:
+                (admit, fresh_admit), (advance, fresh_advance), *own = pool.map(_compile, lowered)
+            fresh_decode = bool(own) and own[0][1]
+            if mine is not None:
+                decode = SharedDecode(own[0][0], decode_args)
+                with self._lock:
+                    self._decodes[key] = decode
+                    self.decode_compile_count += 1
+                mine.set_result(decode)
+            elif waiting is not None:
+                decode = waiting.result()  # raises what compiling it raised
+        except BaseException as error:
+            if mine is not None and not mine.done():
+                mine.set_exception(error)
+            raise
+        finally:
+            if mine is not None:
+                with self._lock:
+                    self._decoding.pop(key, None)
         lanes = Lanes(
             admit=admit,
             advance=advance,
@@ -245,8 +301,8 @@ class Programs:
         return lanes, empty
 
     def _lower_decode(self, plan: Plan, width: int, latents, every: NamedSharding) -> tuple[Lowered, tuple]:
-        """decode_lanes with the safety checker's graph folded in (static), lowered, and the arguments every
-        call passes after (params, latents): the checker's params, or none without a checker."""
+        """decode_lanes (for a `decode_plan`) with the safety checker's graph folded in (static), lowered, and the
+        arguments every call passes after (params, latents): the checker's params, or none without a checker."""
         if self.checker is None:
             fn = functools.partial(pipeline.decode_lanes, checker=None)
             jitted = jax.jit(fn, static_argnums=(0, 1, 2), out_shardings=(every, every))
