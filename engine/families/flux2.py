@@ -22,14 +22,14 @@ import jax
 from flax import nnx
 
 from ..errors import ConfigError
-from ..loading.host_encoder import HostEncoder, host_qwen3
+from ..loading.host_encoder import HostEncoder
 from ..loading.qwen_tokenizer import QwenTokenizer
 from ..models import qwen3
 from ..models.qwen3 import Qwen3Config, Qwen3Model
 from ..models.transformer_flux import TIME_FACTOR
 from ..models.transformer_flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
 from ..models.vae_flux2 import AutoencoderKLFlux2, Flux2VAEConfig
-from .base import Conditioning, Denoiser, Family, LatentFormat, Models, TextSide, text_to_image
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, text_to_image
 from .qwen_prompt import FLUX2_KLEIN
 from .sd3 import flow_sampling
 
@@ -156,17 +156,7 @@ FAMILY = Family(
     pipelines=PIPELINES,
     configs={"text_encoder": Qwen3Config, "transformer": Flux2TransformerConfig, "vae": Flux2VAEConfig},
     build=build,
-    # No CLIP: the Qwen tokenizer's ids and mask travel in the extra inputs
-    text=TextSide(
-        encoders=(),
-        tokenizers=(),
-        encode=encode,
-        extra_inputs=extra_inputs,
-        host_encoder="text_encoder",  # `t5="host"`: Qwen3 runs on the host's CPU once per prompt
-        on_host=functools.partial(host_qwen3, hidden_layers=FLUX2_KLEIN.hidden_layers),
-        chunked_prompts=False,
-        clip_skip=False,
-    ),
+    text=FLUX2_KLEIN.text_side(encode, extra_inputs),
     denoiser=Denoiser(component="transformer", denoise=denoise, adapters=frozenset()),
     # The steps draw the pipeline's grid: 2x2 patches of the VAE's latents, normalised
     latent=LatentFormat(tiny_vae="madebyollin/taef2", vae_patch=2, encode=to_latents, decode=to_pixels),

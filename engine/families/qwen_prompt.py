@@ -10,13 +10,17 @@ sees the attention mask, and needs no layer after the last it reads (`QwenPrompt
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
+from ..loading.host_encoder import host_qwen3
 from ..loading.qwen_tokenizer import QwenTokenizer
 from ..models.qwen3 import Qwen3Config, layers_needed, prompt_embeds
+from .base import Encode, TextSide
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,21 @@ class QwenPrompt:
     def embeds(self, config: Qwen3Config, hidden_states: tuple[jax.Array, ...]) -> jax.Array:
         """[batch, tokens, len(hidden_layers) * hidden_size] from the encoder's hidden states."""
         return prompt_embeds(config, hidden_states, self.hidden_layers)
+
+    def text_side(self, encode: Encode, extra_inputs: Callable) -> TextSide:
+        """A family's text side on this reading of a Qwen3 `text_encoder`: no CLIP (the Qwen tokenizer's ids and
+        mask travel in the extra inputs, whole prompts, no chunks or emphasis), and Qwen3 on the host's CPU, once per
+        prompt, where `load_pipeline(t5="host")` puts it."""
+        return TextSide(
+            encoders=(),
+            tokenizers=(),
+            encode=encode,
+            extra_inputs=extra_inputs,
+            host_encoder="text_encoder",
+            on_host=functools.partial(host_qwen3, hidden_layers=self.hidden_layers),
+            chunked_prompts=False,
+            clip_skip=False,
+        )
 
 
 Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False)

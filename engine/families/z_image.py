@@ -34,13 +34,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from ..loading.host_encoder import HostEncoder, host_qwen3
+from ..loading.host_encoder import HostEncoder
 from ..loading.qwen_tokenizer import QwenTokenizer
 from ..models.config import VAEConfig
 from ..models.qwen3 import Qwen3Config, Qwen3Model
 from ..models.transformer_z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 from ..models.vae import AutoencoderKL
-from .base import Conditioning, Denoiser, Family, LatentFormat, Models, TextSide, text_to_image
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, text_to_image
 from .qwen_prompt import Z_IMAGE
 from .sd3 import flow_sampling
 
@@ -144,17 +144,7 @@ FAMILY = Family(
     pipelines=PIPELINES,
     configs={"text_encoder": Qwen3Config, "transformer": ZImageTransformerConfig, "vae": VAEConfig},
     build=build,
-    # No CLIP: the Qwen tokenizer's ids and mask travel in the extra inputs
-    text=TextSide(
-        encoders=(),
-        tokenizers=(),
-        encode=encode,
-        extra_inputs=extra_inputs,
-        host_encoder="text_encoder",  # `load_pipeline(t5="host")`: Qwen3-4B's 8 GB (bf16) in host memory
-        on_host=functools.partial(host_qwen3, hidden_layers=Z_IMAGE.hidden_layers),
-        chunked_prompts=False,
-        clip_skip=False,
-    ),
+    text=Z_IMAGE.text_side(encode, extra_inputs),
     denoiser=Denoiser(component="transformer", denoise=denoise, project=project, adapters=frozenset()),
     # The transformer packs the latents' 2x2 patches itself, but its in_channels are the VAE's 16: no denoiser_patch
     latent=LatentFormat(tiny_vae="madebyollin/taef1"),
