@@ -59,7 +59,7 @@ def time_networks(rounds: int) -> dict:
     from engine.models.autoencoder_tiny import AutoencoderTiny
     from engine.models.clip import CLIPTextModel
     from engine.models.config import AutoencoderTinyConfig, CLIPTextConfig
-    from engine.nn import onednn
+    from engine.nn import int8, onednn
 
     nets = {
         "text encoder": (CLIPTextModel(CLIPTextConfig(**OPENCLIP_H), nnx.Rngs(0)), "text"),
@@ -79,7 +79,7 @@ def time_networks(rounds: int) -> dict:
                 os.environ[onednn.SWITCH] = switch  # read when the layers trace
             fn = jax.jit(call)
             if switch == "1" or name == "w8a8":
-                pins.append(onednn.pin(params, (jnp.float32,) if switch == "1" else None))
+                pins.append(onednn.pin(params, (jnp.float32,) if switch == "1" else None, int8.kernel_values(params)))
             start = time.perf_counter()
             fn(params, inputs[net]).block_until_ready()
             print(f"{net} {name}: compiled and first call {time.perf_counter() - start:.1f} s", flush=True)

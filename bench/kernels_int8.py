@@ -145,7 +145,7 @@ def main() -> None:
     for name, gflop, systems, quantized in cases:
         if args.only not in name:
             continue
-        pinned = onednn.pin({"kernel": quantized})  # its int8 values, reordered once
+        pinned = onednn.pin({}, int8_values=int8.kernel_values(quantized))  # its int8 values, reordered once
         try:
             for fn, call_args in systems.values():
                 fn(*call_args).block_until_ready()  # compiled; oneDNN's primitive made, the pinned kernel reordered
@@ -186,12 +186,12 @@ def unet_step(rounds: int) -> None:
     from engine.loading.quantize import quantize_params
     from engine.models.config import UNetConfig
     from engine.models.unet import UNet2DConditionModel
-    from engine.nn import onednn
+    from engine.nn import int8, onednn
 
     print(cpu_line())
     graph, params = nnx.split(UNet2DConditionModel(UNetConfig(**SD2_UNET), nnx.Rngs(0)))
     quantized = quantize_params(nnx.State({"unet": params}), "unet", mode="w8a8")["unet"]
-    pinned = onednn.pin(quantized)  # as an Engine pins its params
+    pinned = onednn.pin(quantized, int8_values=int8.kernel_values(quantized))  # as an Engine pins its params
     x = jax.random.normal(jax.random.key(0), (1, 64, 64, 4))
     context = jax.random.normal(jax.random.key(1), (1, 77, 1024))
     step = jax.jit(lambda p, x, c: nnx.merge(graph, p)(x, jnp.asarray([999.0]), c))

@@ -260,7 +260,8 @@ def test_pinned_int8_kernels_are_reordered_once_and_give_the_same_sums():
     run = jax.jit(lambda x, k: int8.conv(x, k, None, (1, 1), ((1, 1), (1, 1))))
     want = np.asarray(run(x, kernel))  # reordered at the call
     before = onednn.reordered_bytes()
-    pinned = onednn.pin({"unet": {"kernel": kernel}})
+    params = {"unet": {"kernel": kernel}}
+    pinned = onednn.pin(params, int8_values=int8.kernel_values(params))
     try:
         assert len(pinned.buffers) == 1  # the int8 values; not their scales or sums
         np.testing.assert_array_equal(np.asarray(run(x, kernel)), want)

@@ -56,6 +56,12 @@ class QuantizedKernel:
         return self.values.astype(jnp.float32) * self.scale
 
 
+def kernel_values(params: Any) -> list:
+    """The int8 values of every `QuantizedKernel` in a param tree: what `onednn.pin(int8_values=)` keeps reordered."""
+    quantized = lambda leaf: isinstance(leaf, QuantizedKernel)  # noqa: E731
+    return [leaf.values for leaf in jax.tree.leaves(params, is_leaf=quantized) if quantized(leaf)]
+
+
 def quantize_kernel(kernel: Any) -> QuantizedKernel:
     """w [..., in, out] (numpy or jax, any float dtype) -> QuantizedKernel with every |values * scale - w| <= scale/2
     (a channel of zeros: scale 0, values 0). A `jax.ShapeDtypeStruct` gives the shapes alone."""

@@ -325,26 +325,20 @@ class Pinned:
         self.arrays, self.buffers = [], []
 
 
-def pin(params, dtypes: tuple | None = None) -> Pinned:
+def pin(params, dtypes: tuple | None = None, int8_values: list | tuple = ()) -> Pinned:
     """Has oneDNN keep each kernel of `params` that it serves (or of `dtypes`) (a param tree on CPU devices; convolutions' HWIO and linear
     layers' [in, out]) in its own layout from its first call on, instead of reordering it at every call (measured on
     2 Zen 4 cores: SD-Turbo's UNet step 1.21 -> 1.10 s from the convolutions, a 77-token linear layer of the text
     encoder 0.78 -> 0.63 ms). The returned `Pinned` holds the arrays, so that no other array can take their buffers
     while oneDNN trusts them; `release()` it when the params are no longer served. The reordered copies cost as much
-    memory as the kernels (SD-Turbo's UNet: 1.7 GB). The int8 values of `int8.QuantizedKernel`s are pinned too,
-    wherever the handlers load (int8.py computes with them on any x86-64 CPU; SD-Turbo's 16x16 1280->1280
+    memory as the kernels (SD-Turbo's UNet: 1.7 GB). `int8_values`, the int8 values of the tree's
+    `int8.QuantizedKernel`s (`int8.kernel_values(params)`), are pinned too, wherever the handlers load (int8.py computes with them on any x86-64 CPU; SD-Turbo's 16x16 1280->1280
     convolution 136 -> 87 ms on 2 loaded Zen 3 cores). A tree with no such kernel, or where oneDNN is off, pins
     nothing."""
-    from .int8 import QuantizedKernel  # int8.py calls this module's kernels
-
-    def quantized(leaf) -> bool:
-        return isinstance(leaf, QuantizedKernel)
-
-    leaves = jax.tree.leaves(params, is_leaf=quantized)
-    values = [leaf.values for leaf in leaves if quantized(leaf) and isinstance(leaf.values, jax.Array)]
+    values = [leaf for leaf in int8_values if isinstance(leaf, jax.Array)]
     served = [
         leaf
-        for leaf in leaves
+        for leaf in jax.tree.leaves(params)
         if isinstance(leaf, jax.Array)
         and leaf.ndim in (2, 4)
         and (leaf.dtype in dtypes if dtypes is not None else serves(leaf.dtype))

@@ -31,7 +31,7 @@ from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
 from ..loading.quantize import computes_in_int8
 from ..loading.upscaler_folder import UpscalerFolder
-from ..nn import onednn
+from ..nn import int8, onednn
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import pairs
 from ..sampling.hires import LATENT_UPSCALERS
@@ -121,7 +121,7 @@ class Engine:
         self._lanes = NamedSharding(self.mesh, P(pairs.DATA))
         replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put(model.params, replicated)
-        self._pinned = onednn.pin(self.params)  # kernels oneDNN serves on the CPU, int8 ones too: reordered once
+        self._pinned = onednn.pin(self.params, int8_values=int8.kernel_values(self.params))  # reordered once
         self.dtype = _run_dtype(self.params)  # "float32", "bfloat16" or "float16": the networks' own
         # For people (the page's details, the APIs' options): the dtype and what computes the products here.
         platform = self._devices[0].platform
