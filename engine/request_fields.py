@@ -435,6 +435,13 @@ FIELDS: tuple[RequestField, ...] = (
     ),
     RequestField("image", object, None, "start from this picture (image to image)."),  # each door its own upload
     RequestField("mask_image", object, None, "white: repaint (inpainting); at the picture's size."),
+    RequestField(  # each door its own upload (OpenAI's edits image[], A1111's init_images, the page's Edit mode)
+        "references",
+        object,
+        (),
+        "reference pictures the model edits from or draws beside, for models that edit: FLUX.2 [klein].",
+        range=(0, "max_references"),  # how many
+    ),
     RequestField("latents", object, None, "the starting noise, [n, c, h/8, w/8]; for scripts, not the doors."),
     RequestField("image_latents", object, None, "start from these scaled latents [1, h/8, w/8, c]; for scripts."),
     RequestField("return_latents", bool, False, "hand the final latents back in the result; for scripts."),

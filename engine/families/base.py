@@ -124,6 +124,28 @@ class TextSide:
 
 
 @dataclass(frozen=True)
+class References:
+    """How a denoiser that edits takes reference pictures (`GenerationRequest.references`): the contract between a
+    request's pictures and the family's `denoise`.
+
+    On the host (`serving.jobs`), each picture is drawn at `Limits.reference_size` (width, height: at most `pixels`,
+    sides multiples of one token's pixels) by `prepare`, the family pipeline's own resize or crop, as [height, width,
+    3] float32 in [-1, 1]. The references' sizes, in order, are static (`Plan.references`): requests bringing the same
+    count and sizes share a batch, others get a plan of their own, and none recompiles per request. In `admit`, each
+    is encoded by the family's `LatentFormat.encode` inside the program, and `Conditioning.references` holds a tuple of
+    latent grids [rows, h_i, w_i, channels], one per reference in the request's order, rows as the slots' conditioning
+    (each slot's (uncond, cond) pair when guided; an empty slot's are zeros). `denoise` reads them: the family decides
+    their tokens and position ids (FLUX.2 [klein]: after the latent's, at times 10, 20, ...) and returns the
+    prediction on the latent's grid only.
+    """
+
+    max_count: int  # the most reference pictures a request may bring (`Limits.max_references`)
+    # (picture, width, height) -> [height, width, 3] float32 in [-1, 1]: the picture as the family's pipeline encodes it
+    prepare: Callable[[Any, int, int], Any] = field(repr=False)
+    pixels: int = 1024 * 1024  # a larger picture is shrunk to about this many (`Limits.reference_pixels`)
+
+
+@dataclass(frozen=True)
 class Denoiser:
     """The network the steps call: which component, how it is called, how guidance reaches it, what attaches."""
 
@@ -146,6 +168,8 @@ class Denoiser:
     project: Callable[[Any, Conditioning], Any] = field(default=project_context, repr=False)
     # What can be attached to a model of this family: "lora", "controlnet" (refused by name elsewhere)
     adapters: frozenset[str] = frozenset({"lora", "controlnet"})
+    # Reference pictures the denoiser reads beside the latents (a model that edits); None: it takes none
+    references: References | None = None
 
     def guided_by_embedding(self, config: Any) -> bool:
         """Whether a denoiser with this config reads the guidance scale as an embedding rather than taking a

@@ -42,7 +42,7 @@ from ..sampling.prompts import TokenizedPrompt
 from ..sampling.upscale import upscale_to
 from .batcher import Batcher
 from .hires import HiresFix, first_pass
-from .jobs import Jobs
+from .jobs import Jobs, reference_limits
 from .lora_serving import ServedLoRAs
 from .prepared import needs_preparing, submit_prepared
 from .programs import Programs
@@ -68,6 +68,26 @@ def _run_dtype(params) -> str:
 def _device_name(group) -> str:
     """ "cpu:0" for one device, "cpu:0+1" for a core pair."""
     return f"{group[0].platform}:" + "+".join(str(device.id) for device in group)
+
+
+def _model_limits(model: LoadedModel, factor: int, devices: int, loras: tuple, upscalers: tuple) -> Limits:
+    """What a model's requests may ask for; `factor`: one denoiser token's pixels."""
+    denoiser = FAMILIES[model.family].denoiser
+    unet_levels = denoiser.denoise_shallow is not None  # DeepCache, token merging
+    return Limits(
+        schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
+        side_multiple=factor,
+        max_side=model.variant.max_side,
+        max_clip_skip=model.max_clip_skip,
+        devices=devices,
+        control=model.controlnet is not None,
+        loras=loras,
+        max_deep_cache=MAX_DEEP_CACHE if unet_levels else 0,
+        max_token_merging=MAX_TOKEN_MERGING if unet_levels else 0.0,
+        # Hires fix redraws a text-to-image picture as image to image: not for a model that only repaints.
+        upscalers=() if model.variant.needs else (*LATENT_UPSCALERS, *upscalers),
+        **reference_limits(denoiser.references),  # a model that edits takes reference pictures
+    )
 
 
 class Engine:
@@ -136,20 +156,7 @@ class Engine:
         self.defaults = dict(model.defaults)
         self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels
-        unet_levels = FAMILIES[model.family].denoiser.denoise_shallow is not None  # DeepCache, token merging
-        self.limits = Limits(
-            schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
-            side_multiple=factor,
-            max_side=model.variant.max_side,
-            max_clip_skip=model.max_clip_skip,
-            devices=n,
-            control=model.controlnet is not None,
-            loras=self.loras.names,
-            max_deep_cache=MAX_DEEP_CACHE if unet_levels else 0,
-            max_token_merging=MAX_TOKEN_MERGING if unet_levels else 0.0,
-            # Hires fix redraws a text-to-image picture as image to image: not for a model that only repaints.
-            upscalers=() if model.variant.needs else (*LATENT_UPSCALERS, *self.upscalers.names()),
-        )
+        self.limits = _model_limits(model, factor, n, self.loras.names, self.upscalers.names())
         if sizes == "common":
             sizes = common_sizes(self.defaults["width"], factor, self.limits.min_side)
         if sizes is not None:

@@ -17,6 +17,7 @@ import numpy as np
 from .. import schedulers
 from ..errors import InvalidRequest
 from ..families import FAMILIES
+from ..families.base import References
 from ..families.loader import LoadedModel
 from ..request import GenerationRequest, Limits
 from ..sampling import modes
@@ -26,6 +27,13 @@ from ..sampling.prompts import TokenizedPrompt, align, tokenize_plain, tokenize_
 from .lora_serving import ServedLoRAs
 from .slots import Job
 from .ticket import Ticket
+
+
+def reference_limits(references: References | None) -> dict:
+    """`Limits`' fields for a denoiser's reference pictures (`Denoiser.references`): none for one that takes none."""
+    if references is None:
+        return {"max_references": 0}
+    return {"max_references": references.max_count, "reference_pixels": references.pixels}
 
 
 class Jobs:
