@@ -10,6 +10,10 @@ to the queries and keys after their RMS norm; the joint sequence is text tokens 
 Our interface, NHWC inside the engine: `__call__` takes the VAE's latents unpacked, [batch, h, w, 16], packs
 2x2 patches into tokens as FluxPipeline's `_pack_latents` does, and unpacks the prediction the same way. The
 text goes through `context_embedder` once per request (`project_context`), not at every step.
+
+FLUX.1 Kontext (`FluxKontextPipeline`) edits a picture: its latents, packed the same way, follow the latents'
+tokens in the sequence, with ids whose first axis is 1 instead of 0, and the prediction is read on the latents'
+tokens alone. `__call__(references=)` takes them unpacked, like `x`.
 """
 
 from __future__ import annotations
@@ -101,12 +105,23 @@ def unpack(tokens: jax.Array, h: int, w: int) -> jax.Array:
     return x.reshape(b, h, w, features // 4)
 
 
-def position_ids(text_tokens: int, rows: int, cols: int) -> np.ndarray:
-    """[text + rows * cols, 3]: the pipeline's `txt_ids` (zeros), then `_prepare_latent_image_ids` (0, row, col)."""
+def grid_ids(rows: int, cols: int, first: int = 0) -> np.ndarray:
+    """[rows * cols, 3]: `_prepare_latent_image_ids` (first, row, col), row by row; `first` is 1 for Kontext's
+    reference picture (`FluxKontextPipeline.prepare_latents`' `image_ids`)."""
     image = np.zeros((rows, cols, 3))
+    image[..., 0] = first
     image[..., 1] = np.arange(rows)[:, None]
     image[..., 2] = np.arange(cols)[None, :]
-    return np.concatenate([np.zeros((text_tokens, 3)), image.reshape(rows * cols, 3)])
+    return image.reshape(rows * cols, 3)
+
+
+def position_ids(text_tokens: int, rows: int, cols: int, reference: tuple[int, int] | None = None) -> np.ndarray:
+    """[text + rows * cols (+ the reference's), 3]: the pipeline's `txt_ids` (zeros), then the latents' grid, then
+    the reference picture's grid of (rows, cols) tokens, if any, with its first axis 1."""
+    ids = [np.zeros((text_tokens, 3)), grid_ids(rows, cols)]
+    if reference is not None:
+        ids.append(grid_ids(*reference, first=1))
+    return np.concatenate(ids)
 
 
 def rope_tables(
@@ -289,6 +304,7 @@ class FluxTransformer2DModel(nnx.Module):
         context: jax.Array,
         pooled_projections: jax.Array,
         guidance: jax.Array | None = None,
+        references: jax.Array | None = None,
     ) -> jax.Array:
         """The velocity prediction [batch, h, w, out latent channels] for latents x [batch, h, w, latent_channels].
 
@@ -296,13 +312,16 @@ class FluxTransformer2DModel(nnx.Module):
         context [batch, tokens, inner]: `project_context`'s output. pooled_projections [batch, pooled_projection_dim].
         guidance [batch]: the guidance scale, only when `config.guidance_embeds` (dev); both are multiplied by
         1000 inside, as diffusers does. h and w must be even: each token is a 2x2 patch.
+        references [batch or 1, h', w', latent_channels]: Kontext's reference picture's latents (any even size),
+        read as tokens after the latents'; the prediction is the latents' alone.
         """
         cfg = self.config
         b, h, w, c = x.shape
-        if h % 2 or w % 2:
-            raise ValueError(f"FLUX packs 2x2 latent patches: the latent sides {h}x{w} must be even")
-        if c != cfg.latent_channels:
-            raise ValueError(f"the latents have {c} channels; this transformer takes {cfg.latent_channels}")
+        check_latents(x, cfg, "latents")
+        reference = None
+        if references is not None:
+            check_latents(references, cfg, "reference latents")
+            reference = (references.shape[1] // 2, references.shape[2] // 2)
         if cfg.guidance_embeds and guidance is None:
             raise ValueError("this transformer embeds the guidance scale (guidance_embeds): pass guidance")
         if not cfg.guidance_embeds and guidance is not None:
@@ -314,8 +333,14 @@ class FluxTransformer2DModel(nnx.Module):
             guidance = jnp.broadcast_to(guidance, (b,)).astype(jnp.float32) * TIME_FACTOR
         temb = self.time_text_embed(timestep, pooled_projections.astype(dtype), guidance)  # [batch, inner]
         text = context.shape[1]
-        rope = tuple(jnp.asarray(t) for t in rope_tables(cfg.axes_dims_rope, position_ids(text, h // 2, w // 2)))
-        image = self.x_embedder(pack(x.astype(dtype)))  # [batch, h/2 * w/2, inner]
+        ids = position_ids(text, h // 2, w // 2, reference)
+        rope = tuple(jnp.asarray(t) for t in rope_tables(cfg.axes_dims_rope, ids))
+        tokens = pack(x.astype(dtype))  # [batch, h/2 * w/2, in_channels]
+        latent_tokens = tokens.shape[1]
+        if references is not None:  # FluxKontextPipeline: torch.cat([latents, image_latents], dim=1)
+            references = jnp.broadcast_to(references, (b, *references.shape[1:]))
+            tokens = jnp.concatenate([tokens, pack(references.astype(dtype))], axis=1)
+        image = self.x_embedder(tokens)  # [batch, image tokens, inner]
         context = context.astype(dtype)
         for block in self.transformer_blocks:
             image, context = block(image, context, temb, rope)
@@ -324,5 +349,15 @@ class FluxTransformer2DModel(nnx.Module):
         for block in self.single_transformer_blocks:
             joined = block(joined, temb, rope)
         scale, shift = self.norm_out(temb)
-        out = self.proj_out(modulate(joined[:, text:], shift, scale))  # [batch, h/2 * w/2, out_channels]
+        latents = joined[:, text : text + latent_tokens]  # Kontext's `noise_pred[:, : latents.size(1)]`
+        out = self.proj_out(modulate(latents, shift, scale))  # [batch, h/2 * w/2, out_channels]
         return unpack(out, h, w)
+
+
+def check_latents(x: jax.Array, cfg: FluxTransformerConfig, what: str) -> None:
+    """Latents the transformer can pack: even sides (each token is a 2x2 patch) and the VAE's channels."""
+    _, h, w, c = x.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"FLUX packs 2x2 latent patches: the {what}' sides {h}x{w} must be even")
+    if c != cfg.latent_channels:
+        raise ValueError(f"the {what} have {c} channels; this transformer takes {cfg.latent_channels}")
