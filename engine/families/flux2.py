@@ -157,7 +157,7 @@ FAMILY = Family(
     configs={"text_encoder": Qwen3Config, "transformer": Flux2TransformerConfig, "vae": Flux2VAEConfig},
     build=build,
     text=FLUX2_KLEIN.text_side(encode, extra_inputs),
-    denoiser=Denoiser(component="transformer", denoise=denoise, adapters=frozenset()),
+    denoiser=Denoiser(component="transformer", denoise=denoise, adapters=frozenset({"lora"})),
     # The steps draw the pipeline's grid: 2x2 patches of the VAE's latents, normalised
     latent=LatentFormat(tiny_vae="madebyollin/taef2", vae_patch=2, encode=to_latents, decode=to_pixels),
     sampling=flow_sampling(

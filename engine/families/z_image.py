@@ -145,7 +145,7 @@ FAMILY = Family(
     configs={"text_encoder": Qwen3Config, "transformer": ZImageTransformerConfig, "vae": VAEConfig},
     build=build,
     text=Z_IMAGE.text_side(encode, extra_inputs),
-    denoiser=Denoiser(component="transformer", denoise=denoise, project=project, adapters=frozenset()),
+    denoiser=Denoiser(component="transformer", denoise=denoise, project=project, adapters=frozenset({"lora"})),
     # The transformer packs the latents' 2x2 patches itself, but its in_channels are the VAE's 16: no denoiser_patch
     latent=LatentFormat(tiny_vae="madebyollin/taef1"),
     sampling=flow_sampling(

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from .lora_keys import COMPONENTS, parse, spellings, unsupported
+from .lora_keys import COMPONENTS, Target, parse, spellings, unsupported
 
 # diffusers keeps each component's PEFT `LoraConfig` in the file's header, as "unet.lora_alpha" and so on.
 METADATA_KEY = "lora_adapter_metadata"
@@ -109,10 +109,12 @@ def load_lora(source: str | Path) -> LoRAFile:
 
 
 def _kernels(params: nnx.State) -> dict[str, tuple]:
-    """Layer name ("unet.down_blocks.0...to_q") -> its kernel's path, for the components a LoRA may touch."""
+    """Layer name ("unet.down_blocks.0...to_q") -> its kernel's path, for the components a LoRA may touch: a
+    transformer model's LoRAs adapt its transformer alone (diffusers loads none into Z-Image's or FLUX.2's Qwen3)."""
+    components = ("transformer",) if "transformer" in params else COMPONENTS
     out = {}
     for path, _ in nnx.to_flat_state(params):
-        if path[-1] == "kernel" and path[0] in COMPONENTS:
+        if path[-1] == "kernel" and path[0] in components:
             out[".".join(str(p) for p in path[:-1])] = path
     return out
 
@@ -150,51 +152,68 @@ def _torch_shape(kernel: tuple[int, ...]) -> tuple[int, ...]:
     return (kernel[3], kernel[2], kernel[0], kernel[1]) if len(kernel) == 4 else (kernel[1], kernel[0])
 
 
+def _cut(up: np.ndarray, target: Target) -> list[np.ndarray] | None:
+    """The up factor [out, rank(, 1, 1)] of each of `target`'s layers: its rows in equal parts (halves swapped)."""
+    n = len(target.layers)
+    if up.shape[0] % (2 * n if target.swap else n):
+        return None
+    parts = np.split(up, n, axis=0)
+    if target.swap:
+        parts = [np.concatenate([p[p.shape[0] // 2 :], p[: p.shape[0] // 2]]) for p in parts]
+    return parts
+
+
 def lora_factors(lora: LoRAFile, params: nnx.State) -> LoRAFactors:
     """Matches every tensor of `lora` to a kernel of `params` (a `LoadedModel.params` tree); refuses the file,
     naming each tensor that fits no layer, does not fit its layer's shape, or is of a LoRA variant we do not run."""
     kernels = _kernels(params)
     shapes = {path: tuple(var.get_value().shape) for path, var in nnx.to_flat_state(params) if path[-1] == "kernel"}
     table = spellings(kernels)
-    layers: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
-    peft_names: dict[str, str | None] = {}
+    found: dict[Target, dict[str, tuple[str, np.ndarray]]] = {}
+    peft_names: dict[Target, str | None] = {}
     problems: dict[str, list[str]] = {title: [] for title in PROBLEMS}
     for key, value in lora.tensors.items():
         name = parse(key)
-        layer = table.get(name.layer) if name else None
-        if layer is None:
+        target = table.get(name.layer) if name else None
+        if target is None:
             problems["unsupported" if unsupported(key) else "unknown"].append(key)
             continue
-        parts = layers.setdefault(layer, {})
+        parts = found.setdefault(target, {})
         if name.part in parts:  # the same layer under two spellings
             problems["twice"].append(f"{parts[name.part][0]} and {key}")
             continue
         parts[name.part] = (key, np.asarray(value, np.float32))
-        peft_names[layer] = name.peft_module
+        peft_names[target] = name.peft_module
     for flag in ("use_dora", "lora_bias"):
         for component in COMPONENTS:
             if lora.metadata.get(f"{component}.{flag}"):
                 problems["unsupported"].append(f"{component} adapters with {flag} (header)")
     out: LoRAFactors = {}
-    for layer, parts in sorted(layers.items()):
+    adapted_by: dict[str, str] = {}  # our layer -> the tensor that adapts it (a fused and a split spelling clash)
+    for target, parts in sorted(found.items()):
         if "down" not in parts or "up" not in parts:
             problems["incomplete"].append(", ".join(key for key, _ in parts.values()))
             continue
         (down_key, down), (up_key, up) = parts["down"], parts["up"]
-        path = kernels[layer]
-        fitted = _our_layout(down, up, shapes[path])
-        if fitted is None:
-            problems["mis-shaped"].append(
-                f"{down_key} {down.shape} and {up_key} {up.shape} do not fit {layer} {_torch_shape(shapes[path])}"
-            )
-            continue
         rank = down.shape[0]
         if "alpha" in parts:
             scale = float(parts["alpha"][1].reshape(-1)[0]) / rank
         else:
-            peft = _peft_alpha(lora.metadata, layer.split(".", 1)[0], peft_names[layer], rank)
+            peft = _peft_alpha(lora.metadata, target.layers[0].split(".", 1)[0], peft_names[target], rank)
             scale = 1.0 if peft is None else peft  # no alpha anywhere: alpha = rank, as diffusers assumes
-        out[path] = LowRank(*fitted, np.float32(scale))
+        ups = _cut(up, target) or [None] * len(target.layers)
+        layers = list(zip(target.layers, ups, strict=True))
+        fitted = [None if u is None else _our_layout(down, u, shapes[kernels[layer]]) for layer, u in layers]
+        if any(f is None for f in fitted):
+            wanted = " + ".join(f"{layer} {_torch_shape(shapes[kernels[layer]])}" for layer in target.layers)
+            problems["mis-shaped"].append(f"{down_key} {down.shape} and {up_key} {up.shape} do not fit {wanted}")
+            continue
+        for layer, factors in zip(target.layers, fitted, strict=True):
+            if layer in adapted_by:
+                problems["twice"].append(f"{adapted_by[layer]} and {down_key}")
+                continue
+            adapted_by[layer] = down_key
+            out[kernels[layer]] = LowRank(*factors, np.float32(scale))
     if any(problems.values()) or not out:
         raise LoRAError(_refusal(lora, params, problems))
     return out
@@ -209,10 +228,13 @@ def _refusal(lora: LoRAFile, params: nnx.State, problems: dict[str, list[str]]) 
     if not lora.tensors:
         lines.append("  the file holds no tensors")
     second_encoder = any(k.startswith(("text_encoder_2.", "lora_te2_")) for k in lora.tensors)
+    encoder = any(k.startswith(("text_encoder", "lora_te")) for k in problems["unknown"])
     if second_encoder and "text_encoder_2" not in params:
         lines.append("  it adapts a second text encoder, so it is made for Stable Diffusion XL")
+    elif encoder and "transformer" in params:
+        lines.append("  it adapts a text encoder: this model's LoRAs adapt its transformer alone")
     elif problems["unknown"] or problems["mis-shaped"]:
-        lines.append("  is it a LoRA for another model family (SD 1.x, SD 2.x, SDXL)?")
+        lines.append("  is it a LoRA for another model family?")
     return "\n".join(lines)
 
 
