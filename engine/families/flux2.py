@@ -15,11 +15,14 @@ brings a negative prompt.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from PIL import Image
 
 from ..errors import ConfigError
 from ..loading.host_encoder import HostEncoder
@@ -29,10 +32,12 @@ from ..models.qwen3 import Qwen3Config, Qwen3Model
 from ..models.transformer_flux import TIME_FACTOR
 from ..models.transformer_flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
 from ..models.vae_flux2 import AutoencoderKLFlux2, Flux2VAEConfig
-from .base import Conditioning, Denoiser, Family, LatentFormat, Models, text_to_image
+from .base import Conditioning, Denoiser, Family, LatentFormat, Models, References, text_to_image
 from .qwen_prompt import FLUX2_KLEIN
 from .sd3 import flow_sampling
 
+REFERENCE_PIXELS = 1024 * 1024  # a larger reference picture is shrunk to about this many pixels
+MAX_REFERENCES = 4  # reference pictures a request may bring
 DISTILLED = {"num_inference_steps": 4, "guidance_scale": 1.0}  # the pipeline ignores any scale for these
 BASE = {"num_inference_steps": 50, "guidance_scale": 4.0}  # Flux2KleinPipeline's own defaults
 
@@ -115,8 +120,23 @@ def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: boo
 
 def denoise(models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: Conditioning, residuals: tuple):
     """The velocity on the latent grid [batch, h/16, w/16, 128], fed as the pipeline feeds it: t / 1000, no
-    guidance embedding."""
-    return models.transformer(x, timesteps / TIME_FACTOR, kv)
+    guidance embedding; the reference pictures' grids (`Conditioning.references`) as tokens after the latent's."""
+    return models.transformer(x, timesteps / TIME_FACTOR, kv, references=cond.references or ())
+
+
+def prepare_reference(picture: Image.Image, width: int, height: int) -> np.ndarray:
+    """A reference picture as Flux2KleinPipeline encodes it, [height, width, 3] in [-1, 1]: shrunk by Lanczos to
+    about `REFERENCE_PIXELS` when larger (`_resize_to_target_area`), its middle cut to width x height (the sizes
+    `engine.request.reference_size` gives: its sides floored to one token's pixels; Flux2ImageProcessor's
+    `_resize_and_crop`, which only crops), in RGB."""
+    w, h = picture.size
+    if w * h > REFERENCE_PIXELS:
+        scale = math.sqrt(REFERENCE_PIXELS / (w * h))
+        picture = picture.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
+        w, h = picture.size
+    left, top = (w - width) // 2, (h - height) // 2
+    picture = picture.convert("RGB").crop((left, top, left + width, top + height))
+    return np.asarray(picture, np.float32) / 255.0 * 2.0 - 1.0
 
 
 def to_latents(vae: AutoencoderKLFlux2, images: jax.Array) -> jax.Array:
@@ -157,7 +177,12 @@ FAMILY = Family(
     configs={"text_encoder": Qwen3Config, "transformer": Flux2TransformerConfig, "vae": Flux2VAEConfig},
     build=build,
     text=FLUX2_KLEIN.text_side(encode, extra_inputs),
-    denoiser=Denoiser(component="transformer", denoise=denoise, adapters=frozenset({"lora"})),
+    denoiser=Denoiser(
+        component="transformer",
+        denoise=denoise,
+        adapters=frozenset({"lora"}),
+        references=References(MAX_REFERENCES, prepare_reference, REFERENCE_PIXELS),  # editing, as Flux2KleinPipeline
+    ),
     # The steps draw the pipeline's grid: 2x2 patches of the VAE's latents, normalised
     latent=LatentFormat(tiny_vae="madebyollin/taef2", vae_patch=2, encode=to_latents, decode=to_pixels),
     sampling=flow_sampling(

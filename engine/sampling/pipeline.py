@@ -54,6 +54,9 @@ class Plan:
     # kept in `Slots.deep`), else its first level alone over them (`Denoiser.denoise_shallow`); 0 or 1: always whole
     deep_cache: int = 0
     token_merging: float = 0.0  # the UNet's first level merges this share of its tokens (`nn.token_merging`); 0: off
+    # Reference pictures (a denoiser that edits, `families.base.References`): each one's (height, width) in pixels,
+    # in the request's order; their latents sit in `Conditioning.references`
+    references: tuple[tuple[int, int], ...] = ()
 
     @property
     def slots_per_device(self) -> int:
@@ -155,6 +158,8 @@ class Admission:
     control: jax.Array | None = None
     control_scale: jax.Array | None = None  # [batch] f32
     source: modes.Source | None = None  # image modes: each slot's picture and mask
+    # With `plan.references`: each reference picture [batch, H_i, W_i, 3] in [-1, 1] at its size in the plan
+    references: tuple[jax.Array, ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -208,6 +213,9 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
         x, kept = modes.start(encode, new.source, noise, new.tables, plan.mode, _inpainting(family, models))
     state = jax.vmap(lambda row: schedulers.init_state(plan.scheduler, row))(x)
     step = jnp.zeros(x.shape[:1], jnp.int32)
+    if plan.references:  # encoded once per request; the pair's rows read the same pictures
+        refs = tuple(family.latent.encode(models.vae, pictures) for pictures in new.references)
+        cond = dataclasses.replace(cond, references=tuple(_pair(r, r) for r in refs) if plan.guidance else refs)
     kv = family.denoiser.project(denoiser, cond)  # once per request, not once per step
     control_kv = models.controlnet.project_context(cond.context) if plan.control else None
     cond = dataclasses.replace(cond, context=None)  # no step reads it again: the slots hold it projected

@@ -19,7 +19,7 @@ from ..errors import InvalidRequest
 from ..families import FAMILIES
 from ..families.base import References
 from ..families.loader import LoadedModel
-from ..request import GenerationRequest, Limits
+from ..request import GenerationRequest, Limits, reference_size
 from ..sampling import modes
 from ..sampling.images import control_image_array
 from ..sampling.pipeline import Admission, Plan
@@ -82,6 +82,7 @@ class Jobs:
             mode=modes.mode_of(r.image, r.mask_image, r.image_latents),
             deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
             token_merging=float(r.token_merging),
+            references=tuple((h, w) for w, h in (reference_size(self.limits, p) for p in r.references or ())),
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
@@ -134,6 +135,7 @@ class Jobs:
             control_scale=float(r.controlnet_conditioning_scale),
             lora_weights=self.loras.weights(r.lora_scales),
             source=self._source(r, plan),
+            references=self._references(r, plan),
         )
 
     def _control_image(self, r: GenerationRequest, plan: Plan) -> np.ndarray | None:
@@ -165,6 +167,14 @@ class Jobs:
         factor = self.model.vae_scale_factor
         width, height = plan.latent_width * factor, plan.latent_height * factor
         return modes.Source(**modes.source_row(r.image, r.mask_image, width, height, r.inpainting_fill))
+
+    def _references(self, r: GenerationRequest, plan: Plan) -> tuple[np.ndarray, ...]:
+        """The reference pictures at their sizes in the plan, as the family's pipeline prepares them (`References.
+        prepare`), [H, W, 3] in [-1, 1]; zeros for an empty slot."""
+        if not r.references:
+            return tuple(np.zeros((h, w, 3), np.float32) for h, w in plan.references)
+        prepare = FAMILIES[self.model.family].denoiser.references.prepare
+        return tuple(prepare(p, w, h) for p, (h, w) in zip(r.references, plan.references, strict=True))
 
     def blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
@@ -203,4 +213,5 @@ class Jobs:
             tables=jax.tree.map(stack, row.tables),
             **(dict(control=stack(row.control), control_scale=np.zeros(b, np.float32)) if plan.control else {}),
             source=jax.tree.map(stack, row.source),
+            references=tuple(stack(a) for a in row.references),
         )

@@ -42,6 +42,7 @@ class Job:
     control_scale: float = 1.0  # controlnet_conditioning_scale
     lora_weights: tuple[float, ...] = ()  # one per loaded LoRA: the batch's merged params depend on them
     source: object = None  # modes.Source of one image (host arrays), or None for text-to-image
+    references: tuple[np.ndarray, ...] = ()  # [H_i, W_i, 3] in [-1, 1]: the reference pictures, with `plan.references`
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     compile_s: float = 0.0
@@ -178,6 +179,7 @@ def slot_row(job: Job, index: int) -> dict:
         guidance_scale=np.float32(job.guidance_scale),
         tables=job.tables,
         source=job.source,
+        references=job.references,
     )
 
 
