@@ -210,6 +210,13 @@ def picture_controls(
     return mode, picture, mask, strength
 
 
+# How `/generate` describes the LoRAs' weights to API and MCP clients: a map of names to numbers. gr.JSON describes
+# itself as `{"type": {}}`, which is no JSON Schema: an MCP server that validates a call's arguments against the
+# tool's schema (the MCP SDK's does) refuses every call to the tool for it. Set on the one component, not through a
+# gr.JSON subclass, which Gradio would write a .pyi stub beside this file for.
+LORA_WEIGHTS_API = {"type": "object", "additionalProperties": {"type": "number"}}
+
+
 def adapter_controls(pipe: engine.EngineFace, files: ClientFiles) -> list:
     """The ControlNet's and the LoRAs' controls (hidden when the server loaded none); returns the inputs
     of `requests.ADAPTER_INPUTS`, in order. LoRA sliders write their weights into one value, the API's
@@ -239,6 +246,7 @@ def adapter_controls(pipe: engine.EngineFace, files: ClientFiles) -> list:
     for event in (picture.change, canny.change):
         event(preview, [picture, canny], [shown], api_visibility="private", queue=False, preprocess=False)
     weights = gr.JSON(dict.fromkeys(loras, 1.0), visible=False, elem_id="lora-scales")
+    weights.api_info = lambda: dict(LORA_WEIGHTS_API)
     with gr.Accordion("LoRAs loaded by the server", open=True, visible=bool(loras)):
         sliders = [
             gr.Slider(*limits.lora_scale_range, value=1.0, step=0.05, label=f"LoRA {name} weight") for name in loras
