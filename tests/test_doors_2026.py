@@ -1,0 +1,197 @@
+"""Z-Image and FLUX.2 [klein] through every door: the page's `/generate`, MCP's tool, A1111 and OpenAI, the cluster.
+
+tests/test_z_image.py and tests/test_flux2_klein.py hold each engine's pictures to diffusers'; here each door must
+hand back the engine's own picture for the values it was sent (0 difference on 0..255). The tiny folders are theirs
+(Z-Image-Turbo's scheduler; Klein saved distilled), each served once by the real app on a free 127.0.0.1 port, and
+every request is 32x32 in 2 steps, so each engine compiles one plan for all its doors.
+
+The cluster is Ray Serve's deployment code without Ray: an `EngineReplica` around the engine, its `describe` and
+`generate` called as the cluster calls them (the request, the description and the events through Ray's cloudpickle, as Ray sends them),
+and the page's `RemoteEngine` over them. Starting a local Ray cluster costs minutes on this machine, and
+tests/test_cluster.py does it for the embedded model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import urllib.request
+
+import pytest
+import test_flux2_klein as klein_case
+import test_z_image as zimage_case
+from PIL import Image
+
+import web
+from engine import GenerationRequest, load_pipeline
+from tests._api_server import ServedApp, decode_png, max_pixel_difference
+
+SIZE, STEPS = 32, 2
+PROMPT = "a red circle on a blue background"
+FAMILIES = ("z-image", "klein")
+
+
+def build_zimage(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("z-image")
+    zimage_case.build_reference(tmp_path_factory).save_pretrained(folder)
+    return folder
+
+
+def build_klein(tmp_path_factory):
+    reference = klein_case.build_reference(tmp_path_factory.mktemp("klein-parts"))
+    folder = tmp_path_factory.mktemp("klein")
+    reference.save_pretrained(folder)  # distilled: 4 steps by default and no unconditional row
+    return folder
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    """(engine, the app's URL) for one family: the page, its MCP server and the REST APIs on one port."""
+    build = {"z-image": build_zimage, "klein": build_klein}[request.param]
+    engine = load_pipeline(build(tmp_path_factory), safety_checker=False, max_batch_size=1)
+    try:
+        with ServedApp(web.build_app(engine, mcp=True)) as url:
+            yield engine, url
+    finally:
+        engine.close()
+
+
+def drawn(engine, seed: int, guidance_scale: float | None = None) -> Image.Image:
+    """The engine's own picture for the values every door below sends."""
+    request = GenerationRequest(
+        prompt=PROMPT,
+        seed=seed,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        width=SIZE,
+        height=SIZE,
+        scheduler="flow_euler",
+    )
+    return engine.submit(request).result(300).images[0]
+
+
+def page_values(engine, seed: int) -> dict:
+    """`/generate`'s values as gradio_client users write them, at the model's own guidance scale."""
+    return dict(
+        prompt=PROMPT,
+        negative_prompt="",
+        seed=seed,
+        random_seed=False,
+        steps=STEPS,
+        guidance_scale=engine.defaults["guidance_scale"],
+        scheduler="flow_euler",
+        size=f"{SIZE}x{SIZE}",
+        images_per_device=1,
+    )
+
+
+def test_the_page_draws_the_engines_picture(served, tmp_path):
+    from gradio_client import Client
+
+    engine, url = served
+    client = Client(url, verbose=False, download_files=str(tmp_path))
+    gallery, seed, _ = client.predict(**page_values(engine, seed=3), api_name="/generate")
+    assert seed == 3 and len(gallery) == 1
+    with Image.open(gallery[0]["image"]) as got:
+        assert max_pixel_difference(got.convert("RGB"), drawn(engine, seed=3)) == 0
+
+
+def call_mcp_tool(url: str, arguments: dict) -> tuple[dict, list]:
+    """MCP's `generate` tool as an MCP client sees it (streamable HTTP): its schema and what a call returns."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def call():
+        async with streamable_http_client(url + "/gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                (tool,) = [t for t in (await session.list_tools()).tools if t.name.endswith("generate")]
+                result = await session.call_tool(tool.name, arguments)
+                assert not result.isError, result.content
+                return tool.inputSchema, result.content
+
+    return asyncio.run(call())
+
+
+def test_mcp_lists_the_tool_and_its_call_draws_the_engines_picture(served):
+    engine, url = served
+    schema, content = call_mcp_tool(url, page_values(engine, seed=4))
+    assert {"prompt", "guidance_scale", "size"} <= set(schema["properties"])
+    # Gradio answers a queued tool's call with one text: its outputs (the gallery, the seed, the details) as a
+    # Python list, each picture a URL on this server.
+    (text,) = [c.text for c in content]
+    (address,) = re.findall(r"'url': '([^']+)'", text)
+    assert "seed 4" in text
+    with urllib.request.urlopen(address, timeout=30) as answer:
+        got = Image.open(io.BytesIO(answer.read())).convert("RGB")
+    assert max_pixel_difference(got, drawn(engine, seed=4)) == 0
+
+
+def test_a1111_and_openai_draw_the_engines_picture(served):
+    """txt2img at CFG scale 1 and OpenAI's generations with its extra-body guidance_scale: the engine's pictures."""
+    import httpx
+
+    engine, url = served
+    body = dict(prompt=PROMPT, seed=5, steps=STEPS, cfg_scale=1.0, width=SIZE, height=SIZE, sampler_name="Euler")
+    answer = httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert max_pixel_difference(decode_png(answer.json()["images"][0]), drawn(engine, 5, 1.0)) == 0
+
+    body = dict(prompt=PROMPT, size=f"{SIZE}x{SIZE}", seed=6, num_inference_steps=STEPS, guidance_scale=1.0)
+    answer = httpx.post(url + "/v1/images/generations", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), drawn(engine, 6, 1.0)) == 0
+
+
+def test_the_cluster_serves_the_family(served):
+    """A replica's description and events cross Ray's pickling; the page's `RemoteEngine` built from them draws
+    the replica engine's picture, captioned with the replica's name."""
+    from ray import cloudpickle
+
+    from cluster import ClusterSettings, RemoteEngine
+    from cluster.replica import EngineReplica
+
+    engine, _ = served
+    replica = object.__new__(EngineReplica.func_or_class)  # the deployment's class, without Serve starting it
+    replica.settings, replica.engine, replica.name = ClusterSettings(), engine, "replica 0"
+    replica._tickets, replica.stopped = [], 0
+
+    class Handle:  # `handle.options(stream=True).generate.remote(...)` and `describe.remote().result()`, in-process
+        def options(self, **_):
+            return self
+
+        @property
+        def describe(self):
+            return self
+
+        @property
+        def generate(self):
+            return Call(replica.generate)
+
+        def remote(self):
+            return self
+
+        def result(self):
+            return cloudpickle.loads(cloudpickle.dumps(replica.describe()))
+
+    class Call:
+        def __init__(self, method):
+            self.method = method
+
+        def remote(self, request, model, caller=""):
+            return self.sent(cloudpickle.loads(cloudpickle.dumps(request)), model, caller)
+
+        async def sent(self, request, model, caller):
+            async for event in self.method(request, model, caller):
+                yield cloudpickle.loads(cloudpickle.dumps(event))
+
+    remote = RemoteEngine.connect(Handle())
+    try:
+        assert (remote.family, remote.variant, remote.defaults) == (engine.family, engine.variant, engine.defaults)
+        request = GenerationRequest(PROMPT, seed=8, num_inference_steps=STEPS, width=SIZE, height=SIZE)
+        result = remote.submit(request).result(300)
+        assert result.devices[0].startswith("replica 0 · ")
+        assert max_pixel_difference(result.images[0], drawn(engine, 8)) == 0
+    finally:
+        remote.close()
