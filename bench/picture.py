@@ -16,6 +16,14 @@ f32 and `diffusers-bf16` with the tiny VAE (`pipe.vae = AutoencoderTiny`), `diff
 recipe, the text encoder, UNet and tiny decoder converted to OpenVINO (`time_openvino`). optimum-intel, FastSD CPU's
 loader, is not used: it requires torchvision, which breaks against the pinned CPU torch.
 Prints one JSON line per system and the table; the 1-minute load average rides along (repeat above 2).
+
+`--isa avx2|avx512_core|avx512_core_bf16` caps the instructions every system may use, each in its own process
+(`isa_environment`), so that one machine measures the CPU classes below its own: ONEDNN_MAX_CPU_ISA for oneDNN
+(ours; PyTorch's and OpenVINO's bundled copies read it too; OV_CPU_MAX_ISA, its plugin's own kernels' cap, is set
+alike and is honoured by OpenVINO builds with it), `--xla_cpu_max_isa` in XLA_FLAGS for the code XLA generates, and
+ATEN_CPU_CAPABILITY for PyTorch's own vector kernels. `native` (the default) sets none and clears any inherited.
+The table's header names the CPU, its vector flags and the cap. `--dry-run` prints the header and each system's
+environment, and runs nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +80,52 @@ MODELS = {
     "sd15-lcm": dict(unet=SD15_UNET, clip=CLIP_L, vae=KL_VAE, scheduler="lcm", guidance=1.0, size=512),
 }
 WORKER_ENV = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
+ISAS = {  # --isa -> its name for oneDNN (and OpenVINO), for XLA's --xla_cpu_max_isa, and for PyTorch's ATen
+    "avx2": ("AVX2", "AVX2", "avx2"),
+    "avx512_core": ("AVX512_CORE", "AVX512", "avx512"),
+    "avx512_core_bf16": ("AVX512_CORE_BF16", "AVX512_BF16", "avx512"),  # ATen's widest; its bf16 is oneDNN's
+    "native": None,
+}
+CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OV_CPU_MAX_ISA", "ATEN_CPU_CAPABILITY")
+XLA_CAP = "--xla_cpu_max_isa"
+VECTOR_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def isa_environment(isa: str, base: dict[str, str]) -> dict[str, str]:
+    """The environment a system's process runs under with the instruction set capped to `isa` (a key of ISAS):
+    `base` with every cap this script knows set to it, or removed for `native`; XLA_FLAGS keeps its other flags."""
+    env = {name: value for name, value in base.items() if name not in CAP_VARIABLES}
+    flags = [flag for flag in env.pop("XLA_FLAGS", "").split() if flag.split("=")[0] != XLA_CAP]
+    if ISAS[isa] is not None:
+        onednn, xla, aten = ISAS[isa]
+        env.update(ONEDNN_MAX_CPU_ISA=onednn, OV_CPU_MAX_ISA=onednn, ATEN_CPU_CAPABILITY=aten)
+        flags.append(f"{XLA_CAP}={xla}")
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def cpu_header(isa: str) -> str:
+    """One line for the table's header: this machine's CPU model, its vector flags, the cores this process may use
+    and the cap the systems ran under."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    vector = " ".join(flag for flag in VECTOR_FLAGS if flag in flags) or "none of " + " ".join(VECTOR_FLAGS)
+    cap = "none (native)" if ISAS[isa] is None else f"{isa} ({', '.join(_cap_settings(isa))})"
+    return f"# {model}, {len(os.sched_getaffinity(0))} cores; flags: {vector}; instruction set cap: {cap}"
+
+
+def _cap_settings(isa: str) -> list[str]:
+    env = isa_environment(isa, {})
+    return [f"{name}={env[name]}" for name in (*CAP_VARIABLES, "XLA_FLAGS") if name in env]
 
 
 def write_models(name: str, folder: Path) -> tuple[Path, Path]:
@@ -255,11 +309,20 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "jax-sd-bench-picture")
     parser.add_argument("--deep-cache", type=int, default=0, help="ours: a whole UNet pass every N steps (DeepCache)")
     parser.add_argument("--token-merging", type=float, default=0.0, help="ours: the share of tokens merged (ToMe)")
+    parser.add_argument("--isa", choices=list(ISAS), default="native", help="cap every system's instruction set")
+    parser.add_argument("--dry-run", action="store_true", help="print the header and each system's caps, run nothing")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         speedups = dict(deep_cache=args.deep_cache, token_merging=args.token_merging)
         print(json.dumps(worker(args.worker, args.model, args.folder, args.steps, speedups)), flush=True)
+        return
+    env = isa_environment(args.isa, WORKER_ENV)
+    if args.dry_run:
+        print(cpu_header(args.isa))
+        for system in args.systems:
+            caps = [f"{name}={env[name]}" for name in (*CAP_VARIABLES, "XLA_FLAGS") if name in env]
+            print(f"{system}: {' '.join(caps) or 'no cap'}")
         return
     args.folder.mkdir(parents=True, exist_ok=True)
     write_models(args.model, args.folder)
@@ -275,7 +338,7 @@ def main() -> None:
                 "--deep-cache",
                 str(args.deep_cache),
             ]
-            done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
             rounds[system].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -283,6 +346,7 @@ def main() -> None:
     speedups = [f"deep_cache={args.deep_cache}"] * (args.deep_cache > 1)
     speedups += [f"token_merging={args.token_merging:g}"] * (args.token_merging > 0)
     cached = f", ours with {' and '.join(speedups)}" if speedups else ""
+    print(cpu_header(args.isa))
     print(
         f"# {args.model}, {MODELS[args.model]['size']}px, seconds per picture, best of {args.rounds} round(s){cached}"
     )
@@ -291,7 +355,18 @@ def main() -> None:
     for system, results in rounds.items():
         fastest = {n: min(r[str(n)] for r in results) for n in args.steps}
         print(f"| {system} | " + " | ".join(f"{fastest[n]:.2f}" for n in args.steps) + " |")
-        print(json.dumps({"system": system, "model": args.model, "best_s": fastest, "rounds": results, "load": load}))
+        print(
+            json.dumps(
+                {
+                    "system": system,
+                    "model": args.model,
+                    "isa": args.isa,
+                    "best_s": fastest,
+                    "rounds": results,
+                    "load": load,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

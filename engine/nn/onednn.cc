@@ -404,6 +404,10 @@ extern "C" void OnednnUnpin(const void* const* buffers, int64_t count) {
   }
 }
 
+// The instruction set oneDNN's kernels dispatch to in this process (dnnl_cpu_isa_t's bits: 0x7 AVX2, 0x27
+// AVX-512, ...), after ONEDNN_MAX_CPU_ISA's cap: what the cap's test asks of the library it loaded.
+extern "C" int64_t OnednnEffectiveIsa() { return int64_t(dnnl::get_effective_cpu_isa()); }
+
 // Bytes held by reordered kernels: what pinning costs.
 extern "C" int64_t OnednnPackedBytes() {
   std::lock_guard<std::mutex> guard(packed_lock);

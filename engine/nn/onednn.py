@@ -15,8 +15,11 @@ reordered into oneDNN's layout once, at their first call, instead of at every ca
 The handlers (`onednn.cc`: matmul, convolutions, pinning; `attention.cc`; `cpu_loops.cc`: our own vector loops;
 `int8.cc`: int8 convolutions, for int8.py; `onednn.h`: what they share) are compiled once per source, jaxlib, oneDNN and compiler with the host's C++ compiler
 (`-Wall -Werror`; a build past JAX_SD_KERNEL_BUILD_TIMEOUT is stopped, and a failed one is remembered beside the
-library, not retried at every start) into JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against the system's
-oneDNN (Debian: `libdnnl-dev`; DNNL_ROOT names another install). They are built where a network would use them
+library, not retried at every start) into JAX_SD_KERNEL_DIR (default ~/.cache/jax-sd/kernels) against oneDNN 3.x
+from pip (requirements.txt: the `onednn-cpu-gomp` wheels, in this Python's prefix) or 2.6 from Debian
+(`libdnnl-dev`); DNNL_ROOT names another install (`_onednn_roots`). ONEDNN_MAX_CPU_ISA caps the instructions oneDNN
+uses, and what this module takes the CPU to have (`vector_isa`, `native_bf16`): capped to AVX2, an AVX-512 machine
+runs as the AVX2 class does. They are built where a network would use them
 (`wanted`): a CPU with native bf16, or JAX_SD_ONEDNN=1, which sends f32 layers' products to oneDNN's f32 kernels too
 (on a Zen 3 with AVX2 they measured no faster than XLA's own, bench/kernels_f32.py, so not by default). Where the
 CPU has no native bf16 (oneDNN 2.x refuses every bf16 primitive on AVX2), there is no compiler or no oneDNN, or
@@ -33,8 +36,10 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -73,21 +78,53 @@ def cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
+ISA_CAP = "ONEDNN_MAX_CPU_ISA"  # oneDNN's own cap on the instructions it dispatches to (DNNL_MAX_CPU_ISA before)
+LEVELS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the classes that matter here, narrowest first
+_CAPS = {  # a oneDNN cap's value -> the widest of LEVELS it allows ("" below AVX2)
+    "SSE41": "",
+    "AVX": "",
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2",
+    "AVX2_VNNI_2": "avx2",
+    "AVX512_CORE": "avx512f",
+    "AVX512_CORE_VNNI": "avx512f",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX512_CORE_FP16": "avx512_bf16",
+}
+
+
+def isa_cap() -> str | None:
+    """The widest of LEVELS that ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) lets oneDNN use: "" where it
+    allows less than AVX2, None where it is unset, ALL, or a name not known here (AMX's: no cap among LEVELS)."""
+    value = (os.environ.get(ISA_CAP) or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return _CAPS.get(value)
+
+
 def native_bf16() -> bool:
-    """Whether this host's CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16), from /proc/cpuinfo."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """Whether this host's CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16), from /proc/cpuinfo, as far as
+    ONEDNN_MAX_CPU_ISA lets oneDNN use it (capped to AVX2, a Zen 4 measures the AVX2 class: f32 and int8)."""
+    return vector_isa() in ("avx512_bf16", "amx_bf16")
 
 
 def vector_isa() -> str:
-    """The widest vector instructions this CPU has, as oneDNN's kernels would use them: "amx_bf16", "avx512_bf16",
-    "avx512f", "avx2", or "" (none of those, or not x86)."""
-    flags = cpu_flags()
-    return next((isa for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if isa in flags), "")
+    """The widest vector instructions this CPU has, as oneDNN's kernels would use them under ONEDNN_MAX_CPU_ISA:
+    "amx_bf16", "avx512_bf16", "avx512f", "avx2", or "" (none of those, or not x86)."""
+    flags, cap = cpu_flags(), isa_cap()
+    allowed = LEVELS if cap is None else LEVELS[: LEVELS.index(cap) + 1] if cap else ()
+    return next((isa for isa in reversed(allowed) if isa in flags), "")
 
 
 def _onednn_roots() -> list[Path]:
+    """Where a oneDNN install is looked for, in order: DNNL_ROOT alone where set; else this Python's prefix and the
+    user's (pip's `onednn-cpu-gomp` and `onednn-devel-cpu-gomp` wheels, which requirements.txt installs, put
+    lib/libdnnl.so and include/oneapi/dnnl there), then /usr/local and /usr (Debian's libdnnl-dev: oneDNN 2.6).
+    The environment's own install comes before the system's: it is the one this project's requirements chose
+    (oneDNN 3.x), and a venv is where a newer one is put without touching the system."""
     given = os.environ.get("DNNL_ROOT")
-    return [Path(given)] if given else [Path(sys.prefix), Path("/usr/local"), Path("/usr")]
+    if given:
+        return [Path(given)]
+    prefixes = [Path(sys.prefix), Path(site.getuserbase()), Path("/usr/local"), Path("/usr")]
+    return list(dict.fromkeys(prefixes))
 
 
 def _find_onednn() -> tuple[Path, Path] | None:
@@ -102,12 +139,39 @@ def _find_onednn() -> tuple[Path, Path] | None:
     return None
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def onednn_version(include: Path) -> str:
+    """The oneDNN version an install's headers declare ("3.2.0"), or "" where they do not say."""
+    try:
+        text = (include / "oneapi" / "dnnl" / "dnnl_version.h").read_text()
+    except OSError:
+        return ""
+    found = dict(re.findall(r"#define DNNL_VERSION_(MAJOR|MINOR|PATCH) (\d+)", text))
+    return ".".join(found[part] for part in ("MAJOR", "MINOR", "PATCH")) if len(found) == 3 else ""
+
+
 def kernel_dir() -> Path:
     return Path(os.environ.get("JAX_SD_KERNEL_DIR") or Path.home() / ".cache" / "jax-sd" / "kernels")
 
 
 BUILD_TIMEOUT = "JAX_SD_KERNEL_BUILD_TIMEOUT"  # seconds the kernels' build may take (default 300)
-FIX = "apt-get install g++ libdnnl-dev"  # Debian's command that brings the compiler and oneDNN
+PIP_FIX = "pip install -r requirements.txt"  # brings oneDNN 3.x (onednn-cpu-gomp, onednn-devel-cpu-gomp)
+COMPILER_FIX = "apt-get install g++"  # Debian's and Ubuntu's command that brings a C++ compiler
+FIX = f"{PIP_FIX} and {COMPILER_FIX}"  # what brings both, where the reason is not one of ours
+
+
+class Missing(RuntimeError):
+    """The kernels cannot be built here for want of `what`; `fix` is the one command that brings it."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
 
 
 def _compile(command: list[str], compiler: str, timeout: float) -> str | None:
@@ -140,22 +204,30 @@ def build() -> Path:
     found = _find_onednn()
     if found is None:
         roots = ", ".join(str(r) for r in _onednn_roots())
-        raise RuntimeError(f"no oneDNN under {roots} (Debian: {FIX}; or set DNNL_ROOT)")
+        raise Missing(
+            f"no oneDNN under {roots} ({PIP_FIX} brings oneDNN 3.x; Debian: apt-get install libdnnl-dev; "
+            "or set DNNL_ROOT)",
+            PIP_FIX,
+        )
     include, lib = found
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise RuntimeError(f"no C++ compiler to build the oneDNN kernels with (Debian: {FIX})")
+        raise Missing(
+            f"no C++ compiler to build the oneDNN kernels with (Debian, Ubuntu: {COMPILER_FIX})", COMPILER_FIX
+        )
     import jaxlib
 
-    version_header = include / "oneapi" / "dnnl" / "dnnl_version.h"
+    # The stamp names what the library was built from and against: switching oneDNN installs (pip's 3.x,
+    # Debian's 2.6, DNNL_ROOT) or upgrading one builds a library of its own.
+    version = onednn_version(include) or "unknown"
     stamp = hashlib.sha256(
         b"".join(f.read_bytes() for f in SOURCES + HEADERS)
         + jaxlib.__version__.encode()
         + str(lib).encode()
-        + version_header.read_bytes()
+        + b"".join(_read(include / "oneapi" / "dnnl" / name) for name in ("dnnl_version.h", "dnnl_config.h"))
         + compiler.encode()
     ).hexdigest()[:16]
-    target = kernel_dir() / f"onednn-{stamp}.so"
+    target = kernel_dir() / f"onednn-{version}-{stamp}.so"
     failed = target.with_suffix(".failed")  # the reason an earlier build of this stamp failed
     if target.exists():
         return target
@@ -168,9 +240,12 @@ def build() -> Path:
     system = [f"-isystem{jax.ffi.include_dir()}"] + ([] if include == Path("/usr/include") else [f"-isystem{include}"])
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
+        # DT_RPATH, not RUNPATH: the loader then looks for libdnnl's own dependencies in its folder too, where a
+        # wheel that brings them (Intel's `onednn`: TBB, the SYCL runtime) puts them beside it.
         command = [
             compiler, "-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wall", "-Werror",
-            *system, *map(str, SOURCES), "-o", str(partial), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl",
+            *system, *map(str, SOURCES), "-o", str(partial), f"-L{lib}", "-Wl,--disable-new-dtags",
+            f"-Wl,-rpath,{lib}", "-ldnnl",
         ]  # fmt: skip
         reason = _compile(command, compiler, timeout)
         if reason is not None:
@@ -178,6 +253,15 @@ def build() -> Path:
             raise RuntimeError(reason)
         os.replace(partial, target)  # atomic: another process building the same file meanwhile is harmless
     return target
+
+
+def _cpu_runtime(lib: Path) -> None:
+    """Points the OpenCL loader at the CPU runtime beside a oneDNN built on SYCL (Intel's `onednn` wheel, which
+    brings it as `intel-opencl-rt`), where nothing else names one: its CPU engine is a SYCL CPU device, and without
+    the runtime every primitive fails with "could not create an engine". A oneDNN on OpenMP has none: nothing set."""
+    runtime = lib / "libintelocl.so"
+    if runtime.exists():
+        os.environ.setdefault("OCL_ICD_FILENAMES", str(runtime))
 
 
 def wanted() -> bool:
@@ -199,14 +283,16 @@ def handlers() -> ctypes.CDLL | None:
         return None
     try:
         os.environ.setdefault("OMP_NUM_THREADS", str(cpus.usable_cpus()))
-        return ctypes.cdll.LoadLibrary(str(build()))
+        library = build()
+        _cpu_runtime(_find_onednn()[1])
+        return ctypes.cdll.LoadLibrary(str(library))
     except (RuntimeError, OSError) as err:
         if wanted() and platform.system() == "Linux" and platform.machine() == "x86_64":
             log.warning(
                 "oneDNN kernels off, so XLA's own kernels run (on a CPU with native bf16, about 3x slower): %s. "
                 "To fix: %s, then restart (or %s=0 to run without them)",
                 err,
-                FIX,
+                getattr(err, "fix", FIX),
                 SWITCH,
             )
         else:
