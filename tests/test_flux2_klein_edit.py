@@ -4,7 +4,7 @@ test_flux2_klein.py's tiny distilled folder (imported, not copied): the same pro
 pictures go through diffusers and through our engine in f32, and the pictures agree within 1/255 on 0..1. The
 references are cut as the pipeline cuts them (sides floored to one token's 4 pixels, the middle kept), encoded in
 the admit program and read as tokens after the latent's at times 10, 20, ...; a request giving no size takes its
-first reference's. Their count and sizes are a static part of the plan: requests bringing the same sizes batch
+first reference's (checked on the request, without drawing a third size). Their count and sizes are a static part of the plan: requests bringing the same sizes batch
 together, and others run in plans of their own beside text-to-image ones.
 """
 
@@ -42,7 +42,7 @@ def klein(tmp_path_factory):
     reference = build_reference(tmp_path_factory.mktemp("parts"))
     folder = tmp_path_factory.mktemp("distilled")
     reference.save_pretrained(folder)
-    engine = load_pipeline(folder, safety_checker=False, max_batch_size=4)
+    engine = load_pipeline(folder, safety_checker=False, max_batch_size=2)
     yield reference, engine
     engine.close()
 
@@ -72,14 +72,23 @@ def test_one_reference_matches_diffusers(klein):
     assert np.abs(plain - got).max() > 0.05
 
 
-def test_two_references_of_other_sizes_match_diffusers_at_the_first_ones_size(klein):
-    """No size given: the picture takes the first reference's size once cut (68x64), as the pipeline does."""
+def test_two_references_of_other_sizes_match_diffusers(klein):
+    """Each cut in its middle (70x66 to 68x64, 64x81 to 64x80), read at times 10 and 20 in the request's order."""
     reference, engine = klein
-    start = latents(64, 68, n=1, seed=5)
-    want = diffusers_edit(reference, TWO, start, 2)
-    result = engine.generate(PROMPT, references=TWO, num_images=1, latents=start, num_inference_steps=2)
-    assert result.images[0].size == (68, 64) and want.shape[1:3] == (64, 68)
-    assert np.abs(result.arrays - want).max() < TOLERANCE
+    start = latents(32, 32, n=1, seed=5)
+    want = diffusers_edit(reference, TWO, start, 2, height=32, width=32)
+    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2)
+    got = engine.generate(PROMPT, references=TWO, **args).arrays
+    assert np.abs(got - want).max() < TOLERANCE
+
+
+def test_a_request_without_a_size_takes_the_first_references(klein):
+    """As the pipeline's `height = height or image_height`: the first reference's size once cut."""
+    _, engine = klein
+    resolved = engine.limits.resolve(GenerationRequest(PROMPT, references=list(TWO)), engine.defaults)
+    assert (resolved.width, resolved.height) == (68, 64) and resolved.references == TWO
+    sized = engine.limits.resolve(GenerationRequest(PROMPT, references=TWO, width=32, height=32), engine.defaults)
+    assert (sized.width, sized.height) == (32, 32)  # a size given wins
 
 
 def test_a_large_reference_is_shrunk_and_cut_as_the_pipeline_does(klein):
@@ -111,7 +120,7 @@ def test_references_batch_by_their_sizes_beside_text_to_image(klein):
     requests = [
         GenerationRequest(**base, seed=1, height=32, width=32, references=ONE),
         GenerationRequest(**base, seed=2, height=32, width=32),
-        GenerationRequest(**base, seed=3, references=TWO),
+        GenerationRequest(**base, seed=3, height=32, width=32, references=TWO),
         GenerationRequest(**base, seed=4, height=32, width=32, references=(picture(64, 64, 9),)),
     ]
     alone = []
