@@ -10,6 +10,9 @@ linspace(1, 1/n, n), shifted by `compute_empirical_mu`, which reads the step cou
 Guidance: the distilled folders (model_index.json `is_distilled`: 4 steps) take none, whatever the scale; the base
 folders take a second, unconditional batch row at scale > 1 (50 steps at 4), whose prompt is "" unless the request
 brings a negative prompt.
+Editing (`GenerationRequest.references`, up to 4 pictures): each is cut as the pipeline cuts it (`prepare_reference`),
+encoded like the latents in the admit program and read by the transformer as tokens after the latent's, at times 10,
+20, ...; the picture takes the first reference's size when the request gives none.
 """
 
 from __future__ import annotations
