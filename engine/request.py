@@ -24,6 +24,7 @@ RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill", 3:
 FILLS = {0: "fill", 1: "original", 2: "latent noise", 3: "latent nothing"}
 # Flux2ImageProcessor.check_image_input: a reference picture has no side shorter, and no aspect wider
 REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT = 64, 8.0
+DEFAULTED = ("num_inference_steps", "guidance_scale", "height", "width", "scheduler")  # a model's defaults fill these
 HIRES_STRENGTH = 0.7  # A1111's denoising strength for hires fix's second pass when a request gives none
 
 
@@ -197,6 +198,9 @@ class Limits:
     max_inpaint_padding: int = 256  # "only masked": pixels around the mask's box
     max_references: int = 0  # reference pictures a request may bring (`references`); 0: the model does not edit
     reference_pixels: int = 1024 * 1024  # a larger reference is shrunk to about this many, as the family's pipeline
+    min_references: int = 0  # reference pictures a request must bring: a model that only edits (FLUX.1 Kontext: 1)
+    # (width, height) a reference is drawn at, the nearest its aspect (FLUX.1 Kontext's); empty: `reference_pixels`
+    reference_resolutions: tuple[tuple[int, int], ...] = ()
 
     @property
     def min_side(self) -> int:
@@ -204,11 +208,7 @@ class Limits:
 
     def resolve(self, request: GenerationRequest, defaults: dict, images_per_device: int = 1) -> GenerationRequest:
         """Fills the None fields with the model's defaults, then checks the request; returns it complete."""
-        fill = {
-            name: defaults[name]
-            for name in ("num_inference_steps", "guidance_scale", "height", "width", "scheduler")
-            if getattr(request, name) is None
-        }
+        fill = {name: defaults[name] for name in DEFAULTED if getattr(request, name) is None}
         if request.num_images is None:
             fill["num_images"] = self.devices * images_per_device
         if self.loras and (request.lora_scales is None or isinstance(request.lora_scales, Mapping)):
@@ -424,13 +424,27 @@ class Limits:
 def reference_size(limits: Limits, picture: Image.Image) -> tuple[int, int]:
     """(width, height) a reference picture is drawn at: shrunk to `limits.reference_pixels` when larger (each side times
     the square root of the areas' ratio, truncated: Flux2ImageProcessor's `_resize_to_target_area`), then each side
-    rounded down to `limits.side_multiple` (the family's `prepare` keeps the middle)."""
+    rounded down to `limits.side_multiple` (the family's `prepare` keeps the middle). With `reference_resolutions`,
+    the one nearest the picture's aspect instead (`nearest_resolution`)."""
     w, h = picture.size
-    if w * h > limits.reference_pixels:
+    if limits.reference_resolutions:
+        w, h = nearest_resolution(w, h, limits.reference_resolutions, limits.side_multiple)
+    elif w * h > limits.reference_pixels:
         scale = math.sqrt(limits.reference_pixels / (w * h))
         w, h = int(w * scale), int(h * scale)
     m = limits.side_multiple
     return w // m * m, h // m * m
+
+
+def nearest_resolution(
+    width: int, height: int, resolutions: tuple[tuple[int, int], ...], multiple: int
+) -> tuple[int, int]:
+    """The (width, height) of `resolutions` nearest in aspect to a width x height picture, as FluxKontextPipeline's
+    `_auto_resize` picks it: the aspect of the picture's sides floored to `multiple` (its image processor's
+    `get_default_height_width`), the first of the closest in (difference, width, height) order, floored too."""
+    w, h = width - width % multiple, height - height % multiple
+    _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in resolutions)
+    return w // multiple * multiple, h // multiple * multiple
 
 
 def _reference_fill(limits: Limits, r: GenerationRequest) -> dict:
@@ -454,6 +468,11 @@ def _check_references(limits: Limits, r: GenerationRequest) -> None:
     """Reference pictures: only for a model that edits, at most `max_references`, each a picture of a size the
     family's pipeline takes."""
     refs = r.references
+    if limits.min_references and (
+        refs is None or (isinstance(refs, (tuple, list)) and len(refs) < limits.min_references)
+    ):
+        what = "the picture to edit" if limits.min_references == 1 else f"at least {limits.min_references} pictures"
+        raise InvalidRequest(f"this model edits a picture as the prompt says: send {what} in references")
     if refs is None or (isinstance(refs, (tuple, list)) and not refs):
         return
     if limits.max_references == 0:

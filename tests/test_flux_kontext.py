@@ -2,20 +2,46 @@
 
 The transformer reads the reference picture's latents as tokens after the latents' (ids with first axis 1) and
 predicts the latents' velocity alone: equal to diffusers' `FluxTransformer2DModel` fed the joined tokens and ids.
+A reference picture is drawn at the preferred resolution nearest its aspect, as the pipeline's `_auto_resize`, for
+any size. End to end, a tiny Kontext folder (test_flux's dev model with a VAE of factor 8, so that a reference of
+about a megapixel is 4096 tokens) draws the pipeline's picture from the same latents; a request needs exactly one
+reference picture.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 import torch
-from diffusers import FluxKontextPipeline
+from diffusers import AutoencoderKL, FluxKontextPipeline
 from diffusers import FluxTransformer2DModel as TorchFlux
 from flax import nnx
+from PIL import Image
 from reference import nchw, nhwc, randomize, rel_error
+from test_flux import PROMPT, VAE_LAYOUT, build_reference
 from test_transformer_flux import LAYOUTS, inputs, ours_from_torch
 
+from engine import GenerationRequest, InvalidRequest, load_pipeline
+from engine.families.flux_kontext import PREFERRED_RESOLUTIONS
+from engine.request import nearest_resolution, reference_size
+
 TOL = 1e-5  # tiny configs, f32
+LATENT_CHANNELS = 16
+# Four levels: a factor of 8 as FLUX.1's, so the preferred resolutions are 4096 reference tokens; no mid attention
+VAE = dict(
+    VAE_LAYOUT,
+    block_out_channels=(8, 16, 16, 16),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    norm_num_groups=4,
+    latent_channels=LATENT_CHANNELS,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    mid_block_add_attention=False,
+)
 
 
 def kontext_prediction(ref: TorchFlux, x, references, timestep, encoder_hidden_states, pooled_projections, guidance):
@@ -60,3 +86,106 @@ def test_the_transformer_reads_the_reference_as_kontext_does():
     got = np.asarray(predict(state, **values))
     assert got.shape == (2, 6, 10, 16)
     assert rel_error(got, want) < TOL, np.abs(got - want).max()
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    flux = build_reference("dev", tmp_path_factory)
+    vae = randomize(AutoencoderKL(**VAE, scaling_factor=0.3611, shift_factor=0.1159), 4, std=0.05)
+    reference = FluxKontextPipeline(**dict(flux.components, vae=vae))
+    folder = tmp_path_factory.mktemp("kontext")
+    reference.save_pretrained(folder)
+    engine = load_pipeline(folder, safety_checker=False)
+    yield reference, engine
+    engine.close()
+
+
+def picture(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A smooth picture with detail at every scale, so that a resize that differs shows."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    waves = [np.sin(2 * np.pi * (f * x + g * y) + p) for f, g, p in rng.uniform(0, 6, (3, 3))]
+    rgb = np.stack(waves, -1) * 0.4 + 0.5 + rng.uniform(-0.1, 0.1, (height, width, 3))
+    return Image.fromarray(np.clip(rgb * 255, 0, 255).astype(np.uint8))
+
+
+def pipeline_reference_size(pipe: FluxKontextPipeline, image: Image.Image) -> tuple[int, int]:
+    """The (width, height) FluxKontextPipeline resizes `image` to, read from its own run: its image processor's
+    `resize` is stopped at its first call."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def resize(image, height, width, **kwargs):
+        seen.append((width, height))
+        raise Stop
+
+    pipe.image_processor.resize = resize
+    try:
+        with pytest.raises(Stop), torch.no_grad():
+            pipe(image=image, prompt=PROMPT, height=64, width=64, max_area=64 * 64, num_inference_steps=1)
+    finally:
+        del pipe.image_processor.resize
+    return seen[0]
+
+
+@pytest.mark.parametrize("size", [(64, 64), (72, 64), (96, 80), (80, 200), (1920, 1080), (700, 64), (100, 99)])
+def test_a_reference_is_drawn_at_the_pipelines_preferred_resolution(kontext, size):
+    reference, ours = kontext
+    image = Image.new("RGB", size)
+    want = pipeline_reference_size(reference, image)
+    assert want in PREFERRED_RESOLUTIONS
+    assert reference_size(ours.limits, image) == want
+    assert nearest_resolution(*size, PREFERRED_RESOLUTIONS, 16) == want  # 16: FLUX.1's pixels per token too
+
+
+def draw_both(kontext, image: Image.Image, height: int, width: int, steps: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    reference, ours = kontext
+    shape = (1, LATENT_CHANNELS, height // 8, width // 8)
+    start = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    packed = FluxKontextPipeline._pack_latents(torch.from_numpy(start), *shape)
+    with torch.no_grad():
+        want = reference(
+            image=image, prompt=PROMPT, latents=packed, height=height, width=width, max_area=height * width,
+            num_inference_steps=steps, guidance_scale=3.5, output_type="np",
+        ).images  # fmt: skip
+    got = ours.generate(
+        PROMPT, references=(image,), latents=start, height=height, width=width, num_inference_steps=steps,
+        guidance_scale=3.5,
+    ).arrays  # fmt: skip
+    return got, want
+
+
+def test_pictures_match_diffusers(kontext):
+    """A picture at its preferred resolution, and a small one the auto-resize scales up to it (one plan: the same
+    reference size). Their difference is what the reference does to the picture: the error is a small part of it."""
+    drawn = [draw_both(kontext, picture(*size), 128, 128) for size in ((1024, 1024), (72, 64))]
+    error = max(np.abs(got - want).max() for got, want in drawn)
+    effect = np.abs(drawn[0][1] - drawn[1][1]).max()
+    assert error < 1 / 255
+    assert error < effect / 20, (error, effect)
+    assert min(want.std() for _, want in drawn) > 0.02  # a picture, not a flat field that any mistake would match
+
+
+def test_defaults_are_the_pipelines_and_the_size_is_the_resized_references(kontext):
+    _, ours = kontext
+    assert (ours.family, ours.label) == ("flux_kontext", "FLUX.1 Kontext")
+    want = {"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5, "scheduler": "flow_euler"}
+    assert ours.defaults == want
+    request = GenerationRequest(PROMPT, references=(Image.new("RGB", (96, 80)),))
+    resolved = ours.limits.resolve(request, ours.defaults)
+    assert (resolved.width, resolved.height) == (1104, 944)  # the preferred resolution nearest 6:5
+    given = ours.limits.resolve(dataclasses.replace(request, width=128, height=128), ours.defaults)
+    assert (given.width, given.height) == (128, 128)  # a size the request gives is kept
+    # the start-up compiles the default request's plan with a reference picture of the default size
+    assert [plan.references for plan in ours.warmup_plans()] == [((1024, 1024),)] * 2
+
+
+def test_a_request_needs_exactly_one_reference_picture(kontext):
+    _, ours = kontext
+    with pytest.raises(InvalidRequest, match="send the picture to edit in references"):
+        ours.generate(PROMPT, height=128, width=128, num_inference_steps=1)
+    two = (Image.new("RGB", (64, 64)),) * 2
+    with pytest.raises(InvalidRequest, match="2 reference pictures are too many; this model takes at most 1"):
+        ours.generate(PROMPT, references=two, height=128, width=128, num_inference_steps=1)

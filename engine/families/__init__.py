@@ -2,8 +2,9 @@
 
 `sd.py` (Stable Diffusion 1.x/2.x), `sdxl.py` (XL), `lcm.py` (SD's latent consistency distillations) and `sd3.py`
 (SD 3 and 3.5: MMDiT, CLIP and T5, flow matching) and `flux.py` (FLUX.1 schnell and dev, on SD3's T5, flow
-matching and 16-channel VAE), `z_image.py` (Z-Image and its Turbo, on Qwen3) and `flux2.py` (FLUX.2 [klein], on
-Qwen3, with the 32-channel VAE's normalised 2x2 patches as latents) each
+matching and 16-channel VAE), `flux_kontext.py` (FLUX.1 Kontext: dev editing a reference picture), `z_image.py`
+(Z-Image and its Turbo, on Qwen3) and `flux2.py` (FLUX.2 [klein], on Qwen3, with the 32-channel VAE's normalised 2x2
+patches as latents) each
 declare a `FAMILY` (`base.Family`: components and their classes, layout checks, and four parts: the text side, the
 denoiser, the latent format, the sampling defaults) and its `VARIANTS` (tasks: text-to-image, inpainting, told from
 the folder's widths by `find`).
@@ -22,12 +23,21 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from . import flux, flux2, lcm, sd, sd3, sdxl, z_image
+from . import flux, flux2, flux_kontext, lcm, sd, sd3, sdxl, z_image
 from .base import Conditioning, Denoiser, Family, LatentFormat, Models, Sampling, TextSide, Variant
 
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (sd.FAMILY, sdxl.FAMILY, lcm.FAMILY, sd3.FAMILY, flux.FAMILY, z_image.FAMILY, flux2.FAMILY)
+    for family in (
+        sd.FAMILY,
+        sdxl.FAMILY,
+        lcm.FAMILY,
+        sd3.FAMILY,
+        flux.FAMILY,
+        flux_kontext.FAMILY,
+        z_image.FAMILY,
+        flux2.FAMILY,
+    )
 }
 DEFAULT_FAMILY = sd.FAMILY.name  # what a `Plan` that names none samples with
 VARIANTS: tuple[Variant, ...] = (
@@ -36,6 +46,7 @@ VARIANTS: tuple[Variant, ...] = (
     *lcm.VARIANTS,
     *sd3.VARIANTS,
     *flux.VARIANTS,
+    *flux_kontext.VARIANTS,
     *z_image.VARIANTS,
     *flux2.VARIANTS,
 )

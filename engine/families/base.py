@@ -143,6 +143,9 @@ class References:
     # (picture, width, height) -> [height, width, 3] float32 in [-1, 1]: the picture as the family's pipeline encodes it
     prepare: Callable[[Any, int, int], Any] = field(repr=False)
     pixels: int = 1024 * 1024  # a larger picture is shrunk to about this many (`Limits.reference_pixels`)
+    min_count: int = 0  # the fewest a request may bring: a model that only edits (`Limits.min_references`)
+    # (width, height) sizes a picture is drawn at instead, the one nearest its aspect (`Limits.reference_resolutions`)
+    resolutions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

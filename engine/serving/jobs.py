@@ -33,7 +33,12 @@ def reference_limits(references: References | None) -> dict:
     """`Limits`' fields for a denoiser's reference pictures (`Denoiser.references`): none for one that takes none."""
     if references is None:
         return {"max_references": 0}
-    return {"max_references": references.max_count, "reference_pixels": references.pixels}
+    return {
+        "max_references": references.max_count,
+        "reference_pixels": references.pixels,
+        "min_references": references.min_count,
+        "reference_resolutions": references.resolutions,
+    }
 
 
 class Jobs:

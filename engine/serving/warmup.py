@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 
+from PIL import Image
+
 from ..request import GenerationRequest, Limits
 from ..sampling.pipeline import Plan
 from .jobs import Jobs
@@ -34,11 +36,12 @@ def warmup_plans(
     """The default request's plan, then the same with guidance on or off the other way: moving the guidance
     slider across 1 compiles nothing once the second one is done."""
     g = defaults["guidance_scale"]
+    # A model that only edits is asked with the pictures it needs, at the default size (FLUX.1 Kontext)
+    references = (Image.new("RGB", (defaults["width"], defaults["height"])),) * limits.min_references
     plans = []
     for guidance in (g, 1.0 if g > 1 else 7.5):
-        r = limits.resolve(
-            GenerationRequest("", guidance_scale=guidance, num_images=num_images), defaults, images_per_device
-        )
+        request = GenerationRequest("", guidance_scale=guidance, num_images=num_images, references=references)
+        r = limits.resolve(request, defaults, images_per_device)
         plans.append(jobs.plan(r))
     return plans
 
