@@ -14,10 +14,13 @@ tests/test_cluster.py does it for the embedded model.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import re
 import urllib.request
 
+import httpx
+import numpy as np
 import pytest
 import test_flux2_klein as klein_case
 import test_z_image as zimage_case
@@ -57,7 +60,7 @@ def served(request, tmp_path_factory):
         engine.close()
 
 
-def drawn(engine, seed: int, guidance_scale: float | None = None) -> Image.Image:
+def drawn(engine, seed: int, guidance_scale: float | None = None, **fields) -> Image.Image:
     """The engine's own picture for the values every door below sends."""
     request = GenerationRequest(
         prompt=PROMPT,
@@ -67,6 +70,7 @@ def drawn(engine, seed: int, guidance_scale: float | None = None) -> Image.Image
         width=SIZE,
         height=SIZE,
         scheduler="flow_euler",
+        **fields,
     )
     return engine.submit(request).result(300).images[0]
 
@@ -130,8 +134,6 @@ def test_mcp_lists_the_tool_and_its_call_draws_the_engines_picture(served):
 
 def test_a1111_and_openai_draw_the_engines_picture(served):
     """txt2img at CFG scale 1 and OpenAI's generations with its extra-body guidance_scale: the engine's pictures."""
-    import httpx
-
     engine, url = served
     body = dict(prompt=PROMPT, seed=5, steps=STEPS, cfg_scale=1.0, width=SIZE, height=SIZE, sampler_name="Euler")
     answer = httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=300)
@@ -195,3 +197,72 @@ def test_the_cluster_serves_the_family(served):
         assert max_pixel_difference(result.images[0], drawn(engine, 8)) == 0
     finally:
         remote.close()
+
+
+# ---- editing from reference pictures: OpenAI's edits and A1111's img2img -----------------------------------------
+
+
+def reference_picture(seed: int) -> Image.Image:
+    """A 64x64 picture (a reference's smallest side) of smooth colours."""
+    y, x = np.mgrid[0:64, 0:64] / 8.0
+    rng = np.random.default_rng(seed)
+    channels = [np.sin(x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) * np.cos(y * rng.uniform(0.5, 2)) for _ in "rgb"]
+    return Image.fromarray(np.uint8(np.stack(channels, -1) * 120 + 128))
+
+
+REFERENCES = (reference_picture(1), reference_picture(2))
+
+
+def png(picture: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def edit(url: str, pictures, **fields) -> httpx.Response:
+    """OpenAI's `/v1/images/edits` as the openai client sends several pictures: one `image[]` part each."""
+    data = dict(prompt=PROMPT, size=f"{SIZE}x{SIZE}", num_inference_steps=str(STEPS), guidance_scale="1.0", **fields)
+    files = [("image[]", (f"{k}.png", png(p), "image/png")) for k, p in enumerate(pictures)]
+    return httpx.post(url + "/v1/images/edits", data=data, files=files, timeout=300)
+
+
+def test_openai_edits_and_a1111_img2img_edit_from_every_picture_sent(served):
+    """For Klein, which edits, each `image[]` part and each init image is a reference, in order (A1111's denoising
+    strength ignored): the engine's picture from those references. Z-Image edits one picture, so two are refused."""
+    engine, url = served
+    answer = edit(url, REFERENCES, seed="9")
+    body = dict(prompt=PROMPT, seed=10, steps=STEPS, cfg_scale=1.0, width=SIZE, height=SIZE, sampler_name="Euler")
+    body.update(init_images=[base64.b64encode(png(p)).decode() for p in REFERENCES], denoising_strength=0.75)
+    a1111 = httpx.post(url + "/sdapi/v1/img2img", json=body, timeout=300)
+    if not engine.limits.max_references:
+        assert answer.status_code == 400 and "exactly one picture" in answer.json()["error"]["message"]
+        assert a1111.status_code == 422 and "one init image per request" in a1111.json()["detail"]
+        return
+    assert answer.status_code == 200, answer.text
+    want = drawn(engine, 9, 1.0, references=REFERENCES)
+    assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), want) == 0
+    assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), drawn(engine, 9, 1.0)) > 0
+    assert a1111.status_code == 200, a1111.text
+    assert (
+        max_pixel_difference(decode_png(a1111.json()["images"][0]), drawn(engine, 10, 1.0, references=REFERENCES)) == 0
+    )
+
+
+def test_an_edit_is_refused_with_a_mask_strength_or_too_many_pictures(served):
+    engine, url = served
+    most = engine.limits.max_references
+    if not most:
+        pytest.skip("Z-Image edits one picture, as image to image or inpainting (tests/test_api_openai.py)")
+    mask = ("mask", ("mask.png", png(Image.new("RGBA", (64, 64))), "image/png"))
+    data = dict(prompt=PROMPT)
+    files = [("image[]", ("0.png", png(REFERENCES[0]), "image/png")), mask]
+    answer = httpx.post(url + "/v1/images/edits", data=data, files=files, timeout=60)
+    assert answer.status_code == 400 and "takes no mask" in answer.json()["error"]["message"]
+    answer = edit(url, REFERENCES, strength="0.5")
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength"
+    answer = edit(url, [REFERENCES[0]] * (most + 1))
+    assert answer.status_code == 400, answer.text
+    assert f"too many: this model edits from at most {most}" in answer.json()["error"]["message"]
+    body = dict(prompt=PROMPT, init_images=[base64.b64encode(png(REFERENCES[0])).decode()] * (most + 1))
+    answer = httpx.post(url + "/sdapi/v1/img2img", json=body, timeout=60)
+    assert answer.status_code == 422 and f"at most {most}" in answer.json()["detail"]

@@ -4,6 +4,10 @@ package and the many tools that speak it. Read A1111's `modules/api/api.py` for 
 - `txt2img` / `img2img`: one engine request of `batch_size x n_iter` pictures (seeds seed, seed+1, ...); A1111's
   sampler and scheduler names, clip skip and `<lora:name:weight>` prompt tags are read in `names.py`. An
   interrupted request answers with no pictures and `"interrupted": true` in its info, as A1111 answers 200.
+- `img2img` for a model that edits from reference pictures (FLUX.2 [klein], FLUX.1 Kontext): every init image is a
+  reference, in order (up to the model's `max_references`), no mask is taken, and `denoising_strength` is ignored
+  (nothing is redrawn from a noised picture: the model edits as the prompt says); width and height as sent, or the
+  first picture's size. A model that only edits (Kontext) refuses txt2img.
 - `png-info`: a picture's recipe, read as A1111 reads it.
 - `progress` / `interrupt` / `skip`: about the caller's own running API requests (`skip` stops them as `interrupt`
   does: A1111 skips the picture of a batch it is drawing, and here a batch's pictures are drawn together) (`api_common.ApiJobs`), not the server's;
@@ -60,7 +64,19 @@ from .a1111_models import (
     Txt2ImgRequest,
     body_models,
 )
-from .api_common import ApiJob, ApiJobs, b64, caller_of, decode_base64, opaque, preview_png, read_picture, result_pngs
+from .api_common import (
+    ApiJob,
+    ApiJobs,
+    b64,
+    caller_of,
+    decode_base64,
+    opaque,
+    preview_png,
+    read_picture,
+    read_references,
+    reference_count,
+    result_pngs,
+)
 from .api_gate import internal_error
 from .pictures import default_max_pixels
 from .requests import api_request, read_value
@@ -109,9 +125,17 @@ def _binary_mask(mask: Image.Image, invert: bool) -> Image.Image:
     return ImageOps.invert(mask) if invert else mask
 
 
-def _pictures(body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
-    """The request's image (and mask) from img2img's base64 fields, sizes checked before pixels are read. The engine
-    resizes them by resize_mode and applies the mask's blur, "only masked" and the fill (the request's fields)."""
+def _pictures(pipe: engine.EngineFace, body: Img2ImgRequest, max_pixels: int) -> dict[str, Any]:
+    """The request's pictures from img2img's base64 fields, sizes checked before pixels are read. For a model that
+    edits from reference pictures (FLUX.2 [klein], FLUX.1 Kontext) every init image is one, in order, and no mask is
+    taken; for any other, the one picture (and mask), which the engine resizes by resize_mode, and whose mask's blur,
+    "only masked" and fill it applies (the request's fields)."""
+    if reference_count(pipe)[1]:
+        if body.mask:
+            raise _refuse("this model edits from the init images alone and takes no mask; send none")
+        encoded = body.init_images or []
+        pictures = [decode_base64(data, f"init_images[{k}]") for k, data in enumerate(encoded)]
+        return {"references": read_references(pipe, pictures, "init_images", max_pixels)}
     if not body.init_images:
         raise _refuse("img2img needs init_images: a list with one base64 picture")
     if len(body.init_images) > 1:
@@ -173,6 +197,9 @@ def build_request(
     if body.batch_size < 1 or body.n_iter < 1:
         raise _refuse(f"batch_size and n_iter must be at least 1, got {body.batch_size} and {body.n_iter}")
     prompt, loras = names.take_loras(body.prompt)
+    values = body_values(body)
+    if "references" in (pictures or {}):  # editing from references redraws no picture: denoising_strength is ignored
+        values.pop("strength", None)
     hires = {}
     if getattr(body, "enable_hr", False) and body.hr_sampler_name and not isinstance(body, Img2ImgRequest):
         hires["hires_scheduler"] = names.a1111_scheduler(pipe, body.hr_sampler_name, body.hr_scheduler)
@@ -182,7 +209,7 @@ def build_request(
         **hires,
         num_images=body.batch_size * body.n_iter,
         lora_scales=loras,
-        **body_values(body),
+        **values,
         model=model,
         **(pictures or {}),
     )
@@ -285,10 +312,12 @@ def a1111_router(pipe: engine.EngineFace, jobs: ApiJobs, max_pixels: int | None 
     txt2img_body, img2img_body = body_models()  # the request fields as they stand when the server is built
 
     async def txt2img(body, http: Request):
+        if reference_count(pipe)[0]:  # a model that only edits (FLUX.1 Kontext)
+            raise _refuse("this model edits a picture: send it to img2img in init_images")
         return await generate(pipe, jobs, body, build_request(pipe, body), http)
 
     async def img2img(body, http: Request):
-        pictures = await asyncio.to_thread(_pictures, body, max_pixels)
+        pictures = await asyncio.to_thread(_pictures, pipe, body, max_pixels)
         return await generate(pipe, jobs, body, build_request(pipe, body, pictures), http)
 
     for path, route, model in (("/txt2img", txt2img, txt2img_body), ("/img2img", img2img, img2img_body)):

@@ -67,6 +67,27 @@ def opaque(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def reference_count(pipe: engine.EngineFace) -> tuple[int, int]:
+    """(fewest, most) reference pictures the model edits from (`Limits.min_references`, `max_references`); (0, 0) for a
+    model that does not edit, which draws from an API's picture as image to image instead."""
+    limits = pipe.limits
+    return getattr(limits, "min_references", 0), getattr(limits, "max_references", 0)
+
+
+def read_references(
+    pipe: engine.EngineFace, pictures: list[bytes], field: str, max_pixels: int
+) -> tuple[Image.Image, ...]:
+    """Every picture an API request sends in `field` (file bytes), each a reference to edit from for a model that
+    edits: their count checked before any is decoded, each one's size from its header (`read_picture`), its colours
+    only."""
+    most = reference_count(pipe)[1]
+    if not pictures:
+        raise _refuse(f"send the picture to edit in {field}")
+    if len(pictures) > most:
+        raise _refuse(f"{len(pictures)} pictures in {field} are too many: this model edits from at most {most}")
+    return tuple(opaque(read_picture(data, f"{field}[{k}]", max_pixels)) for k, data in enumerate(pictures))
+
+
 # ---- pictures out -----------------------------------------------------------------------------------
 
 

@@ -16,8 +16,11 @@ Open WebUI's and LibreChat's "OpenAI" image engines and whatever else speaks it.
   share of the first level's tokens merged before its self-attentions), and for edits `strength`. With the `openai` client: `extra_body={"seed": 5}`.
 - `response_format`: "b64_json" (the default, as gpt-image models answer) or "url": a link to the PNG on this
   server, kept for `LINK_TTL_S` (at most `LINK_MAX_BYTES` of them; the oldest go first).
-- `edits` (multipart): `image`, and an optional `mask` in OpenAI's convention (transparent pixels are redrawn):
-  with a mask it is inpainting, without one image-to-image.
+- `edits` (multipart): for a model that edits from reference pictures (FLUX.2 [klein], FLUX.1 Kontext), every
+  `image` / `image[]` part is one, in order (up to the model's `max_references`; gpt-image-1 takes several too), with
+  no mask and no `strength`, and the picture takes the first one's size unless `size` says another. For any other
+  model one `image`, and an optional `mask` in OpenAI's convention (transparent pixels are redrawn): with a mask it is
+  inpainting, without one image-to-image.
 - Errors come in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (api_gate.py).
 """
 
@@ -42,7 +45,7 @@ import engine
 from engine import request_fields
 
 from . import names
-from .api_common import ApiJobs, b64, opaque, read_picture, result_pngs
+from .api_common import ApiJobs, b64, opaque, read_picture, read_references, reference_count, result_pngs
 from .api_gate import ApiError, internal_error
 from .pictures import default_max_pixels
 from .requests import api_request
@@ -173,8 +176,28 @@ class PictureLinks:
         return entry[1] if entry else None
 
 
-def _edit_pictures(image: bytes, mask: bytes | None, max_pixels: int) -> dict[str, Any]:
-    picture = read_picture(image, "image", max_pixels)
+def _edit_pictures(
+    pipe: engine.EngineFace, body: BaseModel, images: list[bytes], mask: bytes | None, max_pixels: int
+) -> dict[str, Any]:
+    """The request's pictures from an edit's parts: every image a reference for a model that edits, else the one
+    picture to draw from and its mask."""
+    if reference_count(pipe)[1]:
+        if mask is not None:
+            raise ApiError(400, "this model edits from the pictures alone and takes no mask; send none", param="mask")
+        if getattr(body, "strength", None) is not None:
+            raise ApiError(
+                400,
+                "strength is image to image's; this model edits from the pictures as they are, send none",
+                param="strength",
+            )
+        return {"references": read_references(pipe, images, "image", max_pixels)}
+    if len(images) != 1:
+        raise ApiError(
+            400,
+            "send exactly one picture to edit, as the multipart file field image (this model edits one picture)",
+            param="image",
+        )
+    picture = read_picture(images[0], "image", max_pixels)
     fields: dict[str, Any] = {"image": opaque(picture)}
     if mask is not None:
         drawn = read_picture(mask, "mask", max_pixels)
@@ -238,19 +261,21 @@ async def draw(
     return {"created": int(time.time()), "data": data, "output_format": output_format, "size": size}
 
 
-async def _read_edit_form(http: Request, model: type[BaseModel]) -> tuple[BaseModel, bytes, bytes | None]:
+async def _read_edit_form(http: Request, model: type[BaseModel]) -> tuple[BaseModel, list[bytes], bytes | None]:
+    """The body's fields, its pictures' bytes (the `image` and `image[]` parts, in order) and its mask's."""
     form = await http.form()
     try:
         images = [v for k, v in form.multi_items() if k in ("image", "image[]") and not isinstance(v, str)]
-        if len(images) != 1:
-            raise ApiError(400, "send exactly one picture to edit, as the multipart file field image", param="image")
+        if not images:
+            raise ApiError(400, "send the picture to edit, as the multipart file field image", param="image")
         masks = [v for k, v in form.multi_items() if k == "mask" and not isinstance(v, str)]
         fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
         try:
             body = model.model_validate(fields)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
-        return body, await images[0].read(), await masks[0].read() if masks else None
+        pictures = [await image.read() for image in images]
+        return body, pictures, await masks[0].read() if masks else None
     finally:
         await form.close()
 
@@ -266,6 +291,8 @@ def openai_router(
     generations_body, edits_body = body_models()  # the request fields as they stand when the server is built
 
     async def generations(body, http: Request):
+        if reference_count(pipe)[0]:  # a model that only edits (FLUX.1 Kontext)
+            raise ApiError(400, "this model edits a picture: send it to /v1/images/edits as image", param="prompt")
         return await draw(pipe, jobs, links, http, body)
 
     generations.__annotations__ = {"body": generations_body, "http": Request}  # FastAPI reads the model from here
@@ -273,8 +300,8 @@ def openai_router(
 
     @router.post("/images/edits")
     async def edits(http: Request):
-        body, image, mask = await _read_edit_form(http, edits_body)
-        pictures = await asyncio.to_thread(_edit_pictures, image, mask, max_pixels)
+        body, images, mask = await _read_edit_form(http, edits_body)
+        pictures = await asyncio.to_thread(_edit_pictures, pipe, body, images, mask, max_pixels)
         return await draw(pipe, jobs, links, http, body, pictures)
 
     @router.get("/images/files/{name}", name="openai_image_file")
