@@ -193,6 +193,25 @@ def test_fused_original_layers_split_as_diffusers_splits_them(served):
     for path, f in peft.items():
         g = trainer[path]
         np.testing.assert_allclose(f.scale * f.down @ f.up, g.scale * g.down @ g.up, rtol=1e-5, atol=1e-7)
+    peft_tensors = load_lora(files["peft"]).tensors
+    for prefix in (
+        "diffusion_model.",
+        "lora_unet_",
+    ):  # diffusers' module names as ComfyUI's and kohya's files give them
+        renamed = {}
+        for key, value in peft_tensors.items():
+            module, part = re.fullmatch(r"transformer\.(.+)\.lora_([AB])\.weight", key).groups()
+            module = prefix + (module if prefix == "diffusion_model." else module.replace(".", "_"))
+            renamed[f"{module}.lora_{'down' if part == 'A' else 'up'}.weight"] = value
+            renamed[f"{module}.alpha"] = np.array(ALPHA, np.float32)  # the header's alpha as tensors
+        spelled = lora_factors(LoRAFile(prefix, renamed), engine.params)
+        assert set(spelled) == set(peft)
+        for path, f in peft.items():
+            g = spelled[path]
+            np.testing.assert_allclose(f.scale * f.down @ f.up, g.scale * g.down @ g.up, rtol=1e-5, atol=1e-7)
+    both = LoRAFile("both", {**peft_tensors, **load_lora(files["trainer"]).tensors})  # fused and split: refused
+    with pytest.raises(LoRAError, match="the same layer twice"):
+        lora_factors(both, engine.params)
     if family == "klein":
         rng = np.random.default_rng(3)
         down, up = rng.standard_normal((RANK, 32)), rng.standard_normal((64, RANK))  # norm_out: 32 -> 2 x 32

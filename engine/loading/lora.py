@@ -1,4 +1,5 @@
-"""LoRA: low-rank updates of the UNet's and the text encoders' kernels, read from safetensors files.
+"""LoRA: low-rank updates of the UNet's and the text encoders' kernels (a transformer's alone: Z-Image, FLUX.2), read
+from safetensors files.
 
 A LoRA (Hu et al. 2021) adapts a layer W by `delta = (alpha / rank) * down @ up`; several at once, each with
 a user's weight s_i, give `W + sum_i s_i * delta_i` (diffusers: `load_lora_weights` + `set_adapters`, whose
