@@ -1,6 +1,6 @@
 """FLUX.2 [klein] editing: reference pictures drawn from, against diffusers' `Flux2KleinPipeline(image=[...])`.
 
-test_flux2_klein.py's tiny distilled folder (imported, not copied): the same prompt, initial latents and reference
+test_flux2_klein.py's tiny folder (imported, not copied; saved as a base model, drawn unguided and guided): the same prompt, initial latents and reference
 pictures go through diffusers and through our engine in f32, and the pictures agree within 1/255 on 0..1. The
 references are cut as the pipeline cuts them (sides floored to one token's 4 pixels, the middle kept), encoded in
 the admit program and read as tokens after the latent's at times 10, 20, ...; a request giving no size takes its
@@ -38,23 +38,26 @@ TWO = (picture(70, 66, 2), picture(64, 81, 3))  # cut to 68x64 and 64x80: the mi
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    """The reference pipeline (distilled) and our engine on its folder."""
+    """The reference pipeline and our engine on its base (not distilled) folder. At scale 1 neither takes the
+    unconditional row (Flux2KleinPipeline's `do_classifier_free_guidance`, our plan's `guidance`), so the pictures at
+    scale 1 are a distilled folder's; at 4 both add it, and this one engine proves both paths."""
     reference = build_reference(tmp_path_factory.mktemp("parts"))
-    folder = tmp_path_factory.mktemp("distilled")
+    reference.register_to_config(is_distilled=False)
+    folder = tmp_path_factory.mktemp("base")
     reference.save_pretrained(folder)
     engine = load_pipeline(folder, safety_checker=False, max_batch_size=2)
     yield reference, engine
     engine.close()
 
 
-def diffusers_edit(reference, references, start: np.ndarray, steps: int, **size) -> np.ndarray:
+def diffusers_edit(reference, references, start: np.ndarray, steps: int, guidance_scale=1.0, **size) -> np.ndarray:
     with torch.no_grad():
         out = reference(
             prompt=PROMPT,
             image=list(references),
             latents=torch.from_numpy(start),
             num_inference_steps=steps,
-            guidance_scale=1.0,
+            guidance_scale=guidance_scale,
             output_type="np",
             **size,
         )
@@ -65,11 +68,21 @@ def test_one_reference_matches_diffusers(klein):
     reference, engine = klein
     start = latents(32, 32, n=1, seed=4)
     want = diffusers_edit(reference, ONE, start, 2, height=32, width=32)
-    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2)
+    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2, guidance_scale=1.0)
     got = engine.generate(PROMPT, references=ONE, **args).arrays
     assert np.abs(got - want).max() < TOLERANCE
     plain = engine.generate(PROMPT, **args).arrays  # the reference changes the picture
     assert np.abs(plain - got).max() > 0.05
+
+
+def test_guided_references_match_diffusers(klein):
+    """The unconditional row reads the same references as the conditional one, as the pipeline's."""
+    reference, engine = klein
+    start = latents(32, 32, n=1, seed=6)
+    want = diffusers_edit(reference, ONE, start, 2, height=32, width=32, guidance_scale=4.0)
+    args = dict(height=32, width=32, latents=start, num_inference_steps=2)
+    got = engine.generate(PROMPT, references=ONE, guidance_scale=4.0, **args).arrays
+    assert np.abs(got - want).max() < TOLERANCE
 
 
 def test_two_references_of_other_sizes_match_diffusers(klein):
@@ -77,7 +90,7 @@ def test_two_references_of_other_sizes_match_diffusers(klein):
     reference, engine = klein
     start = latents(32, 32, n=1, seed=5)
     want = diffusers_edit(reference, TWO, start, 2, height=32, width=32)
-    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2)
+    args = dict(height=32, width=32, num_images=1, latents=start, num_inference_steps=2, guidance_scale=1.0)
     got = engine.generate(PROMPT, references=TWO, **args).arrays
     assert np.abs(got - want).max() < TOLERANCE
 
@@ -116,7 +129,7 @@ def test_references_batch_by_their_sizes_beside_text_to_image(klein):
     text-to-image request and a request of other reference sizes, submitted at once, each gets the picture it draws
     alone, and nothing is compiled anew."""
     _, engine = klein
-    base = dict(prompt=PROMPT, num_inference_steps=2, num_images=1)
+    base = dict(prompt=PROMPT, num_inference_steps=2, num_images=1, guidance_scale=1.0)
     requests = [
         GenerationRequest(**base, seed=1, height=32, width=32, references=ONE),
         GenerationRequest(**base, seed=2, height=32, width=32),
