@@ -441,8 +441,9 @@ def nearest_resolution(
 ) -> tuple[int, int]:
     """The (width, height) of `resolutions` nearest in aspect to a width x height picture, as FluxKontextPipeline's
     `_auto_resize` picks it: the aspect of the picture's sides floored to `multiple` (its image processor's
-    `get_default_height_width`), the first of the closest in (difference, width, height) order, floored too."""
-    w, h = width - width % multiple, height - height % multiple
+    `get_default_height_width`), the first of the closest in (difference, width, height) order, floored too. A side
+    under `multiple` counts as `multiple` (the pipeline divides by zero; `Limits.check` refuses such a picture)."""
+    w, h = (max(side - side % multiple, multiple) for side in (width, height))
     _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in resolutions)
     return w // multiple * multiple, h // multiple * multiple
 

@@ -189,3 +189,5 @@ def test_a_request_needs_exactly_one_reference_picture(kontext):
     two = (Image.new("RGB", (64, 64)),) * 2
     with pytest.raises(InvalidRequest, match="2 reference pictures are too many; this model takes at most 1"):
         ours.generate(PROMPT, references=two, height=128, width=128, num_inference_steps=1)
+    with pytest.raises(InvalidRequest, match="reference 1 is 10x10; a reference picture needs sides of at least 64"):
+        ours.generate(PROMPT, references=(Image.new("RGB", (10, 10)),), num_inference_steps=1)
