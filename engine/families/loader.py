@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError, SourceError
+from ..loading.quantize import int8_components
 from ..loading.sources import ModelFolder, resolve
 from ..loading.textual_inversion import NO_EMBEDDINGS, Embeddings
 from ..loading.tokenizer import Tokenizer
@@ -152,6 +153,7 @@ def load_model_folder(
     config: str | Path | None = None,
     prediction_type: str | None = None,
     safety_checker: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """`t5`: where a family's T5 encoder runs (`TextSide.host_encoder`): "device" with the other networks, "host" on the
     CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
@@ -161,7 +163,9 @@ def load_model_folder(
     `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or Hub id) or the
     Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them), its
     prediction type from `prediction_type` or a `.yaml` beside it;
-    `safety_checker` has a Hub download of its configs include the repo's safety checker."""
+    `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: a text encoder
+    kept on the host is quantized there where `load_pipeline(quantize=)` quantizes it on the devices
+    (`loading.quantize.int8_components`: Qwen3 with "int8"); the devices' tree is left to `load_pipeline`."""
     if t5 not in T5_PLACES:
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
@@ -215,6 +219,8 @@ def load_model_folder(
         name = text.host_encoder
         mine = {key[len(name) + 1 :]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
         host = text.on_host(name, configs[name], mine, dtype, folder.name)
+        if quantize is not None and name in int8_components(family.denoiser.component, family.configs, quantize):
+            host.quantize()
     on_device = {name: config for name, config in configs.items() if host is None or name != text.host_encoder}
     graphdef, params = convert(
         lambda: Models(**family.build(on_device, nnx.Rngs(0))), tensors, dtype, where=folder.name

@@ -5,7 +5,8 @@ it takes more memory than the SD 3.5 medium transformer it conditions, and it ru
 step. With `load_pipeline(t5="host")` (`--t5 host`) its weights stay out of the devices' param tree; this runs it
 on the CPU backend when a request is tokenized, and the embeddings travel with the request like its token ids.
 Qwen3-4B (Z-Image's and FLUX.2 [klein]'s text encoder, 8 GB in bf16) runs there the same way (`host_qwen3`): its
-ids and attention mask in, the hidden layers its pipeline reads out.
+ids and attention mask in, the hidden layers its pipeline reads out. With `--quantize int8` its linear kernels are
+kept there as int8 (`HostEncoder.quantize`: about half their bf16 bytes), widened inside the program that reads them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from .quantize import dequantize, quantize_module
 from .weights import convert
 
 
@@ -37,13 +39,20 @@ class HostEncoder:
         self.cpu = jax.devices("cpu")[0]
         self.params = jax.device_put(params, self.cpu)
         call = call or (lambda model, ids: model(ids))
-        self._run = jax.jit(lambda p, *inputs: call(nnx.merge(graphdef, p), *inputs))
+        # int8 kernels (`quantize`) widened inside the program; a tree without them runs as it is
+        self._run = jax.jit(lambda p, *inputs: call(nnx.merge(graphdef, dequantize(p)), *inputs))
         self.lock = threading.Lock()  # one prompt at a time: the CPU is shared with whoever submits
 
     def __call__(self, ids: np.ndarray, *inputs: np.ndarray) -> np.ndarray:
         with self.lock, jax.default_device(self.cpu):
             arrays = (jax.device_put(np.asarray(x), self.cpu) for x in (ids, *inputs))
             return np.asarray(self._run(self.params, *arrays))
+
+    def quantize(self) -> None:
+        """Keeps the large linear kernels as int8 with one scale per output channel from now on
+        (`loading.quantize.quantize_module`, as `--quantize int8` keeps the devices' text encoder)."""
+        with self.lock:
+            self.params = jax.device_put(quantize_module(self.params), self.cpu)
 
     @property
     def nbytes(self) -> int:

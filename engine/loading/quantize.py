@@ -1,5 +1,7 @@
 """8-bit weights for the big denoisers (`load_pipeline(quantize="int8")`, `--quantize int8`): FLUX.1's 12B-parameter
-transformer takes 24 GB in bf16 and about 12 GB with int8 kernels.
+transformer takes 24 GB in bf16 and about 12 GB with int8 kernels. And for a decoder LM's text encoder (Qwen3, Z-Image's
+and FLUX.2 [klein]'s: `int8_components`), on the devices or on the host (`quantize_module`): Qwen3-4B's 8 GB of bf16
+weigh more than Z-Image's 6B transformer in int8, and its layers are linear kernels like the denoisers'.
 
 Weight-only, symmetric, per output channel, round to nearest (the recipe of LLM.int8()'s weight half and of
 optimum-quanto's qint8 weights): a linear kernel w [in, out] becomes `Int8Kernel(values, scale)` with
@@ -18,7 +20,7 @@ activations quantized per call (engine/nn/int8.py): on a CPU without native bf16
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError
+from ..models.qwen3 import Qwen3Config
 from ..nn import int8
 
 MODES = ("int8", "w8a8")  # what `load_pipeline(quantize=...)` takes, besides None
@@ -43,6 +46,9 @@ KEEP_FLOAT = ("conv_in", "conv_out", "conv_shortcut")
 # (a tiny model's, a head of a few outputs) lose the most to one scale per column.
 MIN_SIZE = 1024
 THREADS = 8  # numpy frees the GIL in its loops: a few kernels at once
+# Text encoders whose kernels `--quantize int8` takes beside the denoiser's, by their config's class: decoder LMs of
+# billions of weights (Qwen3-4B and -8B: 8 and 16 GB of bf16), all in linear layers. CLIP and T5 stay as loaded.
+INT8_TEXT_ENCODERS = (Qwen3Config,)
 
 
 @jax.tree_util.register_dataclass
@@ -87,9 +93,18 @@ def quantize_kernel(kernel: Any) -> Int8Kernel:
     return Int8Kernel(np.clip(values, -127, 127).astype(np.int8), stored)
 
 
-def _quantizable(path: tuple, value: Any, components: set[str], min_size: int) -> bool:
+def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tuple[str, ...]:
+    """The components `quantize=mode` replaces kernels of, of a family whose denoiser is `denoiser` and whose
+    components' config classes are `configs` (`Family.configs`): the denoiser; with "int8" also each decoder-LM text
+    encoder (`INT8_TEXT_ENCODERS`), wherever it runs (`quantize_params` on the devices' tree, `quantize_module` on
+    the host's). "w8a8" computes in int8 and stays the UNet's."""
+    text = [name for name, cls in configs.items() if mode == "int8" and issubclass(cls, INT8_TEXT_ENCODERS)]
+    return (denoiser, *text)
+
+
+def _quantizable(path: tuple, value: Any, components: set[str] | None, min_size: int) -> bool:
     return (
-        path[0] in components
+        (components is None or path[0] in components)
         and str(path[-1]) == "kernel"  # nnx.Linear's and nnx.Conv's weight; embeddings are `embedding`
         and not isinstance(value, Int8Kernel)
         and len(value.shape) == 2  # a linear layer's [in, out]; convolutions are 4-D
@@ -134,8 +149,20 @@ def quantize_params(
             "fast path there) or with quantize='int8'"
         )
     chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
+    return _replace(params, lambda path, value: chooses(path, value, components, min_size), quantize)
+
+
+def quantize_module(params: nnx.State, min_size: int = MIN_SIZE) -> nnx.State:
+    """One module's own params (not a `Models` tree: `nnx.split(module)`'s) with every linear kernel of at least
+    `min_size` entries an `Int8Kernel`, as `quantize_params` makes a component's: a text encoder kept on the host
+    (`loading.host_encoder`), whose program widens them as the devices' do (`dequantize`)."""
+    return _replace(params, lambda path, value: _quantizable(path, value, None, min_size), quantize_kernel)
+
+
+def _replace(params: nnx.State, chooses: Any, quantize: Any) -> nnx.State:
+    """`params` with each leaf that `chooses(path, value)` replaced by `quantize(value)`, a few at once."""
     flat = list(nnx.to_flat_state(params))
-    chosen = [i for i, (path, var) in enumerate(flat) if chooses(path, var.get_value(), components, min_size)]
+    chosen = [i for i, (path, var) in enumerate(flat) if chooses(path, var.get_value())]
     with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-quantize") as pool:
         done = dict(zip(chosen, pool.map(lambda i: quantize(flat[i][1].get_value()), chosen), strict=True))
     return nnx.from_flat_state(

@@ -16,7 +16,7 @@ from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
 from ..loading.models_folder import ModelsFolder
 from ..loading.quantize import MODES as QUANTIZE_MODES
-from ..loading.quantize import quantize_params, quantize_tiny_decoder
+from ..loading.quantize import int8_components, quantize_params, quantize_tiny_decoder
 from ..loading.textual_inversion import attach_embeddings, encoder_parts
 from ..loading.upscaler_folder import UpscalerFolder
 from ..loading.vae import attach_vae, load_vae
@@ -118,9 +118,10 @@ def load_pipeline(
     diffusers-format ControlNet folder or Hub id, run beside the UNet for requests with a control image. `loras`:
     name -> LoRA file, folder or Hub id (diffusers/PEFT or kohya layout), each refused at load if it does not fit.
     `quantize`: "int8" keeps the denoiser's large linear kernels as int8 with one scale per output channel
-    (engine/loading/quantize.py: about half their bf16 memory); "w8a8" computes the denoiser's linear layers and
-    convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU about twice f32's speed), and a TAESD decoder's inner
-    convolutions; or None; not with LoRAs, which merge into kernels.
+    (engine/loading/quantize.py: about half their bf16 memory), and a Qwen3 text encoder's, on the devices or the
+    host; "w8a8" computes the denoiser's linear layers and convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU
+    about twice f32's speed), and a TAESD decoder's inner convolutions; or None; not with LoRAs, which merge into
+    kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
     SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
@@ -145,7 +146,13 @@ def load_pipeline(
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)} (or None: the host's best)")
     model = load_model_folder(
-        source, dtype, t5=t5, config=config, prediction_type=prediction_type, safety_checker=safety_checker
+        source,
+        dtype,
+        t5=t5,
+        config=config,
+        prediction_type=prediction_type,
+        safety_checker=safety_checker,
+        quantize=quantize,
     )
     adapters = FAMILIES[model.family].denoiser.adapters
     for what, label, given in (("controlnet", "ControlNet", controlnet), ("lora", "LoRA", loras)):
@@ -159,10 +166,11 @@ def load_pipeline(
         # rows appended to the text encoders' token tables, once
         model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
-    if quantize is not None:  # the denoiser's kernels only; the VAE, text encoders and a ControlNet stay as loaded
-        model = dataclasses.replace(
-            model, params=quantize_params(model.params, FAMILIES[model.family].denoiser.component, mode=quantize)
-        )
+    if quantize is not None:  # the denoiser's kernels, and a Qwen3 text encoder's with int8 (the host's at load)
+        family = FAMILIES[model.family]
+        chosen = int8_components(family.denoiser.component, family.configs, quantize)
+        chosen = [name for name in chosen if name in model.params.keys()]
+        model = dataclasses.replace(model, params=quantize_params(model.params, chosen, mode=quantize))
     if quantize == "w8a8":  # a TAESD's decode in int8 too: most of a picture's fixed part on such a CPU
         model = dataclasses.replace(model, params=quantize_tiny_decoder(model.params))
     checker = None
