@@ -6,8 +6,9 @@ encoder's hidden states against f32 at a tiny config and at one layer of Qwen3-4
 that broken quantizations (values truncated instead of rounded, 4-bit values, scales in the wrong order) do not meet;
 and end to end, tiny Z-Image and Klein folders loaded with `load_pipeline(quantize="int8")`: the text encoder int8 on
 the devices and on the host (`t5="host"`, which gives the devices' int8 embeddings), the pictures against the same
-folders in f32 (PSNR stated). The real-width layer against transformers is tests/test_qwen3.py's; this one measures
-int8 against our own f32.
+folders in f32 (PSNR stated); and each component's bytes computed from the configs alone (tools/model_bytes.py)
+equal to what the engines hold. The real-width layer against transformers is tests/test_qwen3.py's; this one
+measures int8 against our own f32.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from engine.loading.quantize import (
 )
 from engine.models.qwen3 import Qwen3Config, Qwen3Model
 from engine.nn.layers import shapes_only
+from tools.model_bytes import PUBLISHED, component_bytes, write_folder
 
 PROMPT = "a red cat on a mat under the big old tree"
 
@@ -275,3 +277,25 @@ def test_int8_pictures_stay_near_f32(engines):
     print(f"{family}: int8 PSNR {measured:.1f} dB against f32")  # the numbers the README quotes (pytest -s)
     assert want.std() > 0.02  # a picture, not a flat field that any mistake would still match
     assert measured > PSNR_BOUND[family] and np.abs(got - want).max() > 0
+
+
+# -- bytes, from the configs alone -----------------------------------------------------------------------------------
+
+
+def test_the_bytes_computed_from_the_configs_are_what_the_engines_hold(engines):
+    """tools/model_bytes.py builds nothing but shapes, yet gives each component's bytes as the loaded engines hold
+    them, f32 and int8 (text encoder and transformer quantized, the VAE as it is)."""
+    _, loaded, _, folder = engines
+    computed = component_bytes(folder, "float32")
+    assert set(computed) == {"text_encoder", "transformer", "vae"}
+    for name, (f32, int8) in computed.items():
+        assert (param_bytes(loaded["f32"].params[name]), param_bytes(loaded["int8"].params[name])) == (f32, int8)
+    assert computed["vae"][0] == computed["vae"][1] and computed["text_encoder"][1] < computed["text_encoder"][0]
+
+
+def test_z_image_turbo_weighs_10_7_gb_with_int8(tmp_path):
+    """Tongyi-MAI/Z-Image-Turbo's published configs: the 6.15B transformer 12.31 GB in bf16 and 6.16 with int8,
+    Qwen3-4B (all 36 layers on the devices) 8.04 and 4.41, FLUX.1's VAE 0.17 as it is: 20.52 GB -> 10.74."""
+    sizes = component_bytes(write_folder(tmp_path, PUBLISHED["Tongyi-MAI/Z-Image-Turbo"]))
+    gb = {name: (round(b / 1e9, 2), round(q / 1e9, 2)) for name, (b, q) in sizes.items()}
+    assert gb == {"text_encoder": (8.04, 4.41), "transformer": (12.31, 6.16), "vae": (0.17, 0.17)}
