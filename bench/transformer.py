@@ -3,25 +3,46 @@ at their real widths, with the same random weights and the same inputs.
 
     python bench/transformer.py --model sd35-medium                       # SD 3.5 medium, all 24 blocks, 1024x1024
     python bench/transformer.py --model flux --layers 6                   # FLUX.1 dev at 2 + 4 of its 19 + 38 blocks
+    python bench/transformer.py --model z-image --layers 8                # Z-Image-Turbo at 6 + 2 x 1 of its 30 + 2 x 2
+    python bench/transformer.py --model klein-4b                          # FLUX.2 [klein] 4B, all 5 + 20 blocks
+    python bench/transformer.py --model klein-9b --layers 8               # FLUX.2 [klein] 9B at 2 + 6 of its 8 + 24
     python bench/transformer.py --model sd35-medium --batch 2 --rounds 2  # the guided step: 2 rows per image
-    python bench/transformer.py --model flux --layers 1 --size 128 --rounds 1   # a smoke run
+    python bench/transformer.py --model flux --layers 1 --size 128 --rounds 1   # a smoke run (any --model)
 
 Models (random weights, the published configs' widths): `sd35-medium` is diffusers' `SD3Transformer2DModel` with
 stabilityai/stable-diffusion-3.5-medium's transformer/config.json (24 joint blocks, 13 of them with the second,
 image-only attention; 333 text tokens: 77 CLIP + 256 T5); `flux` is `FluxTransformer2DModel` with FLUX.1 dev's
-(19 double- and 38 single-stream blocks, the guidance embedding; 512 text tokens). `--layers N` cuts the depth so a
-run fits the machine: for SD 3.5, N joint blocks, the first round(13 N / 24) with the second attention; for FLUX, N
-blocks in all, a third of them double-stream (round(N / 3), at least 1 of each kind), as in the full model (19:38).
-Results give seconds per step and per block at the depth used (`layers`, `depth`), and a linear estimate at full depth.
+(19 double- and 38 single-stream blocks, the guidance embedding; 512 text tokens); `z-image` is
+`ZImageTransformer2DModel` with Tongyi-MAI/Z-Image-Turbo's (30 main blocks, a noise and a context refiner of 2 each,
+3840 wide; captions of Qwen3-4B's 2560-wide states), the widths of tests/test_transformer_z_image.py's real-width tests
+and tools/model_bytes.py; `klein-4b` and `klein-9b` are `Flux2Transformer2DModel` with FLUX.2 [klein] 4B's (5 double
+and 20 single blocks of 24 heads) and 9B's (8 + 24 of 32 heads), tools/model_bytes.py's and
+tests/test_transformer_flux2.py's configs, reading 512 text tokens of 3 x the Qwen3 encoder's width (7680; 12288).
+`--layers N` cuts the depth so a run fits the machine: for SD 3.5, N joint blocks, the first round(13 N / 24) with
+the second attention; for FLUX.1 and FLUX.2, N blocks in all, double-stream in the full model's share (FLUX.1
+round(N / 3), Klein round(N / 5) and round(N / 4)) and at least 1 of each kind; for Z-Image, N blocks in all, each
+refiner round(N / 17) of them, at least 1, and the main blocks the rest (at least 1). Results give seconds per step
+and per block at the depth used (`layers`, `depth`), and a linear estimate at full depth (blocks of unequal cost
+counted alike: Z-Image's refiners read the picture's or the caption's tokens alone, so its estimate runs high).
 
 The model is written once (`save_pretrained`, f32, by a process of its own) into `--folder` and read by both sides:
 ours loads the transformer alone (`engine.loading.weights.read_safetensors` + `convert`, in `--dtype`) and times one
-jitted call of `model(x, t, model.project_context(text), pooled)` (FLUX: `..., pooled, guidance)` with t / 1000),
-the graph static and the parameters arguments of the program, as engine/sampling/pipeline.py passes them; x is the
-NHWC latent [batch, size/8, size/8, 16]. Its compile (`lower().compile()`) is timed on its own. Ours runs on one
-XLA CPU device (not the app's core pair: the transformer alone, not the engine's program). diffusers gets the same
-numbers as its pipelines pass them (NCHW latents; FLUX: latents packed in 2x2 patches and the position ids, as
-FluxPipeline makes them), `torch.inference_mode()`, `torch.set_num_threads(os.cpu_count())`.
+jitted call (`our_step`) as the family's `denoise` makes it (engine/families/) for the scheduler's t = 500 (sigma
+0.5), the text's projection first: SD 3.5 `model(x, t, model.project_context(text), pooled)`, FLUX.1 `..., pooled,
+guidance)` with t / 1000, Klein `model(x, t / 1000, model.project_context(text))`, Z-Image `model.velocity(x, t,
+model.encode_context(text, lengths), lengths)` (read at (1000 - t) / 1000 and negated inside); the graph static and
+the parameters arguments of the program, as engine/sampling/pipeline.py passes them. x is the NHWC latent [batch,
+size/8, size/8, 16] (Klein: the VAE's 2x2 patches, [batch, size/16, size/16, 128]). The text is what our pipelines
+pass: Klein 512 tokens; Z-Image every caption padded to 512 tokens, `--caption-tokens` of them real (default 100)
+and its length beside it, the rest masked out but computed. The engine runs the text's projection (Z-Image: the
+caption embedder and context refiner) once per request, not per step; it is timed here because diffusers' forward
+runs it at every step. Ours compiles (`lower().compile()`, timed on its own) and runs on one XLA CPU device (not the
+app's core pair: the transformer alone, not the engine's program). diffusers gets the same numbers as its pipelines
+pass them (NCHW latents; FLUX: latents packed in 2x2 patches and the position ids, as FluxPipeline makes them;
+Klein: the cells packed into tokens, 4-axis ids for text and latents and t / 1000 as Flux2KleinPipeline makes them,
+the output scattered back by its ids; Z-Image: lists of [C, 1, H, W] latents and of each caption's real tokens, which
+it pads to a multiple of 32 itself, at (1000 - t) / 1000, the stacked output negated as ZImagePipeline's loop does),
+`torch.inference_mode()`, `torch.set_num_threads(os.cpu_count())`.
 
 Each system runs in a process of its own, the systems taking turns for `--rounds` rounds; each round loads the
 model, makes `--warmup` untimed calls, then keeps the fastest of `--reps` timed calls; each system keeps its fastest
@@ -30,11 +51,13 @@ counts the weight files' pages mapped while loading), the ratio ours / diffusers
 their outputs (relative to diffusers' largest value), one JSON line per system, and the 1-minute load average
 (repeat above 2).
 
-`--batch` is rows per transformer call: a picture with classifier-free guidance (SD 3.5) runs 2 rows per step, so
-`--batch 2` is its step; FLUX.1 dev embeds the guidance scale and runs 1 row per picture.
+`--batch` is rows per transformer call: a picture with classifier-free guidance (SD 3.5, the Z-Image and Klein base
+models) runs 2 rows per step, so `--batch 2` is its step; FLUX.1 dev embeds the guidance scale and Z-Image-Turbo and
+the distilled Klein take none: 1 row per picture.
 
 Memory: every process holds the whole model: the parameter count x 4 bytes in f32 (SD 3.5 medium: 2.47e9 parameters,
-about 10 GB per process; FLUX.1: 11.9e9, about 48 GB, so on a 24 GB machine FLUX needs `--layers`). A depth whose
+about 10 GB per process; FLUX.1: 11.9e9, about 48 GB; Z-Image-Turbo 6.15e9, 24.6 GB; Klein 4B 3.88e9, 15.5 GB; Klein
+9B 9.08e9, 36.3 GB; so on a 24 GB machine FLUX.1, Z-Image and Klein 9B need `--layers`). A depth whose
 parameters x 4 bytes plus 3 GiB (activations, the runtimes) exceed /proc/meminfo's MemAvailable is refused, naming
 the largest depth that fits. (diffusers' SD3 also builds its 384x384 position table in float64 as it loads: a
 3.9 GB peak measured at one block, before the weights arrive.) The written models stay in `--folder` for the next
@@ -89,13 +112,94 @@ FLUX1_DEV = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json: tests/test_transformer_z_image.py's Z_IMAGE_TURBO and
+# tools/model_bytes.py's PUBLISHED (read from the public copies of that file; the Hub is not reachable from here)
+Z_IMAGE_TURBO = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=(32, 48, 48),
+    axes_lens=(1536, 512, 512),
+)
+# black-forest-labs/FLUX.2-klein-4B transformer/config.json: KLEIN_4B of tools/model_bytes.py and of
+# tests/test_transformer_flux2.py (as diffusers' scripts/convert_flux2_to_diffusers.py writes it), and their 9B
+# (8 + 24 blocks of 32 heads, reading Qwen3-8B's layers)
+KLEIN_4B = dict(
+    patch_size=1,
+    in_channels=128,
+    num_layers=5,
+    num_single_layers=20,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=False,
+)
+KLEIN_9B = dict(KLEIN_4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+# Per model: the config; its blocks in all; the text tokens our engine passes (`text_tokens`, at `text_width`); the
+# latents' pixels a cell and channels (NHWC); our module and classes and diffusers' class; the config keys naming
+# the depth (the written folder's name)
+FLUX_LIKE = dict(depth_keys=("num_layers", "num_single_layers"), text_width="joint_attention_dim")
 MODELS = {
-    "sd35-medium": dict(config=SD35_MEDIUM, layers=24, text_tokens=77 + 256, latent_channels=16),
-    "flux": dict(config=FLUX1_DEV, layers=19 + 38, text_tokens=512, latent_channels=16),
+    "sd35-medium": dict(
+        config=SD35_MEDIUM,
+        layers=24,
+        text_tokens=77 + 256,
+        latent=(8, 16),
+        ours=("transformer_sd3", "SD3Transformer2DModel", "SD3TransformerConfig"),
+        diffusers="SD3Transformer2DModel",
+        **FLUX_LIKE,
+    ),
+    "flux": dict(
+        config=FLUX1_DEV,
+        layers=19 + 38,
+        text_tokens=512,
+        latent=(8, 16),
+        ours=("transformer_flux", "FluxTransformer2DModel", "FluxTransformerConfig"),
+        diffusers="FluxTransformer2DModel",
+        **FLUX_LIKE,
+    ),
+    "z-image": dict(  # ours: every caption padded to the pipeline's 512 tokens, its length beside it (data)
+        config=Z_IMAGE_TURBO,
+        layers=30 + 2 * 2,
+        text_tokens=512,
+        latent=(8, 16),
+        ours=("transformer_z_image", "ZImageTransformer2DModel", "ZImageTransformerConfig"),
+        diffusers="ZImageTransformer2DModel",
+        depth_keys=("n_layers", "n_refiner_layers"),
+        text_width="cap_feat_dim",
+    ),
+    **{
+        name: dict(  # 512 tokens of Qwen3's layers 9, 18 and 27 side by side; the VAE's 2x2 patches a cell
+            config=config,
+            layers=config["num_layers"] + config["num_single_layers"],
+            text_tokens=512,
+            latent=(16, 128),
+            ours=("transformer_flux2", "Flux2Transformer2DModel", "Flux2TransformerConfig"),
+            diffusers="Flux2Transformer2DModel",
+            **FLUX_LIKE,
+        )
+        for name, config in (("klein-4b", KLEIN_4B), ("klein-9b", KLEIN_9B))
+    },
 }
 SYSTEMS = ("ours", "diffusers")
-TIMESTEP = 0.5  # the flow's sigma: SD3 takes it x 1000, FLUX / 1000 of that (as FluxPipeline passes it)
+TIMESTEP = 0.5  # the flow's sigma: the schedulers' t is 1000 x it, which each model reads as its pipeline passes it
 GUIDANCE = 3.5  # FLUX.1 dev's embedded guidance scale
+CAPTION_TOKENS = 100  # Z-Image's default caption length: a prompt of about 70 words in Qwen3's chat template
 HEADROOM = 3 * 2**30  # bytes beside the parameters: activations at 1024x1024, the runtimes
 WORKER_ENV = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -106,35 +210,41 @@ def config_at(model: str, layers: int | None) -> dict:
     n = spec["layers"] if layers is None else layers
     if not 1 <= n <= spec["layers"]:
         raise SystemExit(f"--layers {n}: {model} has 1 to {spec['layers']} blocks")
+    config = spec["config"]
     if model == "sd35-medium":
         dual = round(len(SD35_MEDIUM["dual_attention_layers"]) * n / spec["layers"])
-        return dict(spec["config"], num_layers=n, dual_attention_layers=tuple(range(dual)))
-    double = max(1, round(n * FLUX1_DEV["num_layers"] / spec["layers"]))
-    return dict(spec["config"], num_layers=double, num_single_layers=max(1, n - double))
+        return dict(config, num_layers=n, dual_attention_layers=tuple(range(dual)))
+    if model == "z-image":  # each refiner keeps its share (2 of 34), at least 1; the main blocks the rest
+        refiner = max(1, round(n * config["n_refiner_layers"] / spec["layers"]))
+        return dict(config, n_layers=max(1, n - 2 * refiner), n_refiner_layers=refiner)
+    double = max(1, round(n * config["num_layers"] / spec["layers"]))
+    return dict(config, num_layers=double, num_single_layers=max(1, n - double))
 
 
 def blocks(config: dict) -> int:
+    if "n_refiner_layers" in config:
+        return config["n_layers"] + 2 * config["n_refiner_layers"]
     return config["num_layers"] + config.get("num_single_layers", 0)
 
 
 def depth_words(config: dict) -> str:
+    if "n_refiner_layers" in config:
+        return f"{config['n_layers']} main + 2 x {config['n_refiner_layers']} refiner blocks"
     if "num_single_layers" in config:
         return f"{config['num_layers']} double + {config['num_single_layers']} single blocks"
     return f"{config['num_layers']} joint blocks ({len(config['dual_attention_layers'])} with attn2)"
 
 
 def model_dir(folder: Path, model: str, config: dict) -> Path:
-    return folder / f"{model}-{config['num_layers']}-{config.get('num_single_layers', 0)}"
+    return folder / "-".join([model, *(str(config.get(key, 0)) for key in MODELS[model]["depth_keys"])])
 
 
 def our_class(model: str):
-    if model == "sd35-medium":
-        from engine.models.transformer_sd3 import SD3Transformer2DModel, SD3TransformerConfig
+    import importlib
 
-        return SD3Transformer2DModel, SD3TransformerConfig
-    from engine.models.transformer_flux import FluxTransformer2DModel, FluxTransformerConfig
-
-    return FluxTransformer2DModel, FluxTransformerConfig
+    module, cls, config_cls = MODELS[model]["ours"]
+    module = importlib.import_module(f"engine.models.{module}")
+    return getattr(module, cls), getattr(module, config_cls)
 
 
 def parameter_count(model: str, config: dict) -> int:
@@ -185,11 +295,11 @@ def write_model(model: str, config: dict, folder: Path) -> None:
     target = model_dir(folder, model, config)
     if (target / "config.json").is_file():
         return
+    import diffusers
     import torch
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     torch.manual_seed(0)
-    cls = SD3Transformer2DModel if model == "sd35-medium" else FluxTransformer2DModel
+    cls = getattr(diffusers, MODELS[model]["diffusers"])
     start = time.perf_counter()
     transformer = cls(**config).eval()
     partial = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=folder))
@@ -198,17 +308,37 @@ def write_model(model: str, config: dict, folder: Path) -> None:
     print(f"wrote {target} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
-def inputs(model: str, size: int, batch: int) -> dict[str, np.ndarray]:
-    """The same numbers for both sides: NHWC latents, text, pooled text (f32)."""
+def inputs(model: str, size: int, batch: int, caption: int) -> dict[str, np.ndarray]:
+    """The same numbers for both sides (f32): NHWC latents [batch, size / cell, size / cell, channels], the text
+    encoder's states [batch, text_tokens, width] and, for SD 3.5 and FLUX.1, pooled text; for Z-Image each row's
+    caption length (`caption` real tokens, the rest padding that is masked out)."""
     spec, rng = MODELS[model], np.random.default_rng(0)
-    side = size // 8
-    return dict(
-        x=rng.standard_normal((batch, side, side, spec["latent_channels"])).astype(np.float32),
-        text=rng.standard_normal((batch, spec["text_tokens"], spec["config"]["joint_attention_dim"])).astype(
-            np.float32
-        ),
-        pooled=rng.standard_normal((batch, spec["config"]["pooled_projection_dim"])).astype(np.float32),
+    cell, channels = spec["latent"]
+    config = spec["config"]
+    values = dict(
+        x=rng.standard_normal((batch, size // cell, size // cell, channels)).astype(np.float32),
+        text=rng.standard_normal((batch, spec["text_tokens"], config[spec["text_width"]])).astype(np.float32),
     )
+    if "pooled_projection_dim" in config:
+        values["pooled"] = rng.standard_normal((batch, config["pooled_projection_dim"])).astype(np.float32)
+    if model == "z-image":
+        values["lengths"] = np.full((batch,), caption, np.int32)
+    return values
+
+
+def our_step(model: str, transformer, x, t, text, extra: dict):
+    """One step as the family's `denoise` (engine/families/) calls the transformer for the scheduler's t (sigma x
+    1000), with the text's part first: its projection (Z-Image: the caption embedder and context refiner), which
+    diffusers' forward runs at every step and the engine once per request (`Denoiser.project`)."""
+    if model == "z-image":  # z_image.py: the caption refined for its lengths, read at (1000 - t) / 1000, negated
+        lengths = extra["lengths"]
+        return transformer.velocity(x, t, transformer.encode_context(text, lengths), lengths)
+    context = transformer.project_context(text)
+    if model == "sd35-medium":
+        return transformer(x, t, context, extra["pooled"])
+    if model == "flux":
+        return transformer(x, t / 1000, context, extra["pooled"], extra["guidance"])
+    return transformer(x, t / 1000, context)  # flux2.py: no pooled text, no guidance embedding
 
 
 def time_ours(model: str, folder: Path, values: dict, dtype: str, warmup: int, reps: int) -> tuple[dict, np.ndarray]:
@@ -233,26 +363,22 @@ def time_ours(model: str, folder: Path, values: dict, dtype: str, warmup: int, r
     load_s = time.perf_counter() - start
 
     @partial(jax.jit, static_argnums=0)
-    def step(graphdef, params, x, t, text, pooled, guidance):
-        transformer = nnx.merge(graphdef, params)
-        context = transformer.project_context(text)
-        if guidance is None:
-            return transformer(x, t, context, pooled)
-        return transformer(x, t, context, pooled, guidance)
+    def step(graphdef, params, x, t, text, extra):
+        return our_step(model, nnx.merge(graphdef, params), x, t, text, extra)
 
     b = values["x"].shape[0]
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    x, text, pooled = (jnp.asarray(values[k], jdtype) for k in ("x", "text", "pooled"))
-    if model == "flux":
-        t, guidance = jnp.full((b,), TIMESTEP, jnp.float32), jnp.full((b,), GUIDANCE, jnp.float32)
-    else:
-        t, guidance = jnp.full((b,), TIMESTEP * 1000, jnp.float32), None
+    x, text = (jnp.asarray(values[k], jdtype) for k in ("x", "text"))
+    t = jnp.full((b,), TIMESTEP * 1000, jnp.float32)  # the scheduler's timestep
+    extra = {k: jnp.asarray(values[k], jdtype) for k in ("pooled",) if k in values}
+    extra |= {"lengths": jnp.asarray(values["lengths"])} if "lengths" in values else {}
+    extra |= {"guidance": jnp.full((b,), GUIDANCE, jnp.float32)} if model == "flux" else {}
     start = time.perf_counter()
-    compiled = step.lower(graphdef, params, x, t, text, pooled, guidance).compile()
+    compiled = step.lower(graphdef, params, x, t, text, extra).compile()
     compile_s = time.perf_counter() - start
 
     def call():
-        return jax.block_until_ready(compiled(params, x, t, text, pooled, guidance))
+        return jax.block_until_ready(compiled(params, x, t, text, extra))
 
     first_s, out = _first_and_best(call, warmup, reps)
     return dict(load_s=load_s, compile_s=compile_s, **first_s), np.asarray(out.astype(jnp.float32))
@@ -266,16 +392,17 @@ def time_diffusers(
     torch.set_num_threads(os.cpu_count())
     tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     start = time.perf_counter()
-    if model == "sd35-medium":
-        from diffusers import SD3Transformer2DModel as cls
-    else:
-        from diffusers import FluxTransformer2DModel as cls
+    import diffusers
+
+    cls = getattr(diffusers, MODELS[model]["diffusers"])
     transformer = cls.from_pretrained(folder, torch_dtype=tdtype).eval()
     load_s = time.perf_counter() - start
 
     x = torch.from_numpy(np.ascontiguousarray(values["x"].transpose(0, 3, 1, 2))).to(tdtype)  # NCHW
-    text, pooled = (torch.from_numpy(values[k]).to(tdtype) for k in ("text", "pooled"))
+    text = torch.from_numpy(values["text"]).to(tdtype)
+    pooled = torch.from_numpy(values["pooled"]).to(tdtype) if "pooled" in values else None
     b, c, h, w = x.shape
+    t = torch.full((b,), TIMESTEP * 1000, dtype=torch.float32)  # the scheduler's timestep
     if model == "flux":
         from diffusers import FluxPipeline
 
@@ -283,18 +410,31 @@ def time_diffusers(
             hidden_states=FluxPipeline._pack_latents(x, b, c, h, w),
             encoder_hidden_states=text,
             pooled_projections=pooled,
-            timestep=torch.full((b,), TIMESTEP, dtype=tdtype),
+            timestep=(t / 1000).to(tdtype),
             img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", tdtype),
             txt_ids=torch.zeros(text.shape[1], 3, dtype=tdtype),
             guidance=torch.full([1], GUIDANCE, dtype=torch.float32).expand(b),
         )
-    else:
-        kwargs = dict(
-            hidden_states=x,
-            encoder_hidden_states=text,
-            pooled_projections=pooled,
-            timestep=torch.full((b,), TIMESTEP * 1000, dtype=torch.float32),
+    elif model == "z-image":
+        kwargs = dict(  # as ZImagePipeline's loop calls it: lists of per-picture latents and real caption tokens
+            x=list(x.unsqueeze(2).unbind(dim=0)),  # [C, 1, H, W] each
+            t=(1000 - t) / 1000,
+            cap_feats=[text[i, :n] for i, n in enumerate(values["lengths"])],
         )
+    elif model.startswith("klein"):
+        from diffusers import Flux2KleinPipeline
+
+        latent_ids = Flux2KleinPipeline._prepare_latent_ids(x)
+        kwargs = dict(  # as Flux2KleinPipeline's loop calls it: the latents packed, 4-axis ids, t / 1000
+            hidden_states=Flux2KleinPipeline._pack_latents(x),
+            timestep=t.to(tdtype) / 1000,
+            guidance=None,
+            encoder_hidden_states=text,
+            txt_ids=Flux2KleinPipeline._prepare_text_ids(text),
+            img_ids=latent_ids,
+        )
+    else:
+        kwargs = dict(hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=t)
 
     def call():
         with torch.inference_mode():
@@ -303,6 +443,10 @@ def time_diffusers(
     first_s, out = _first_and_best(call, warmup, reps)
     if model == "flux":  # [b, tokens, 64] -> NCHW, as FluxPipeline unpacks (it takes the picture's size)
         out = FluxPipeline._unpack_latents(out, h * 8, w * 8, 8)
+    elif model == "z-image":  # the list stacked, the frame axis dropped, negated into the scheduler's velocity
+        out = -torch.stack([o.float() for o in out], dim=0).squeeze(2)
+    elif model.startswith("klein"):  # the latent's tokens scattered back to [b, 128, h, w]
+        out = Flux2KleinPipeline._unpack_latents_with_ids(out[:, : h * w], latent_ids, h, w)
     return dict(load_s=load_s, compile_s=None, **first_s), out.float().numpy().transpose(0, 2, 3, 1)
 
 
@@ -326,7 +470,7 @@ def child(args: argparse.Namespace) -> None:
         print(json.dumps({}))
         return
     folder = model_dir(args.folder, args.model, config)
-    values = inputs(args.model, args.size, args.batch)
+    values = inputs(args.model, args.size, args.batch, args.caption_tokens)
     timer = time_ours if args.child == "ours" else time_diffusers
     result, out = timer(args.model, folder, values, args.dtype, args.warmup, args.reps)
     np.save(args.folder / f"out-{args.child}.npy", out)
@@ -338,7 +482,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(system: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", system, "--model", args.model, "--size", str(args.size)]
     command += ["--batch", str(args.batch), "--dtype", args.dtype, "--folder", str(args.folder)]
-    command += ["--warmup", str(args.warmup), "--reps", str(args.reps)]
+    command += ["--warmup", str(args.warmup), "--reps", str(args.reps), "--caption-tokens", str(args.caption_tokens)]
     command += ["--layers", str(args.layers)] if args.layers else []
     done = subprocess.run(command, capture_output=True, text=True, env=WORKER_ENV)
     if done.returncode != 0:
@@ -349,9 +493,12 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="sd35-medium")
-    parser.add_argument("--layers", type=int, help="blocks to keep (default: all; FLUX: double + single)")
-    parser.add_argument("--size", type=int, default=1024, help="pixels a side (a multiple of 16; latent = size / 8)")
-    parser.add_argument("--batch", type=int, default=1, help="rows per call (2 for a guided SD 3.5 picture)")
+    parser.add_argument("--layers", type=int, help="blocks to keep in all (default: all of them)")
+    parser.add_argument(
+        "--caption-tokens", type=int, default=CAPTION_TOKENS, help="Z-Image: the caption's real tokens (1 to 512)"
+    )
+    parser.add_argument("--size", type=int, default=1024, help="pixels a side (a multiple of 16)")
+    parser.add_argument("--batch", type=int, default=1, help="rows per call (2 for a guided picture)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per round before the timed ones")
@@ -368,6 +515,8 @@ def main() -> None:
         parser.error(f"--systems {args.systems!r}: a comma-separated choice of {', '.join(SYSTEMS)}")
     if args.size % 16 or args.size < 16:
         parser.error(f"--size {args.size}: a positive multiple of 16 (8 pixels a latent, 2 latents a token)")
+    if not 1 <= args.caption_tokens <= MODELS["z-image"]["text_tokens"]:
+        parser.error(f"--caption-tokens {args.caption_tokens}: 1 to {MODELS['z-image']['text_tokens']}")
     config = config_at(args.model, args.layers)
     count = check_memory(args.model, config)
     args.folder.mkdir(parents=True, exist_ok=True)
@@ -377,11 +526,14 @@ def main() -> None:
         for system in systems:
             rounds[system].append(run_child(system, args))
     load = os.getloadavg()[0]
-    n, full, side = blocks(config), MODELS[args.model]["layers"], args.size // 8
-    image_tokens = (side // 2) ** 2
+    spec = MODELS[args.model]
+    n, full, side = blocks(config), spec["layers"], args.size // spec["latent"][0]
+    text = f"{spec['text_tokens']} text tokens"
+    if args.model == "z-image":  # ours reads every caption padded to 512 and masked; diffusers its padded length
+        text += f" of which {args.caption_tokens} real, diffusers {-(-args.caption_tokens // 32) * 32}"
     print(
-        f"# {args.model}, {depth_words(config)} ({n} of {full}), {args.size}px (latent {side}x{side}: {image_tokens} "
-        f"image + {MODELS[args.model]['text_tokens']} text tokens), batch {args.batch}, {args.dtype}, "
+        f"# {args.model}, {depth_words(config)} ({n} of {full}), {args.size}px (latent {side}x{side}x"
+        f"{spec['latent'][1]}: {(args.size // 16) ** 2} image + {text}), batch {args.batch}, {args.dtype}, "
         f"best of {args.rounds} round(s); load {load:.2f}"
     )
     print("| system | step s | per block s | full depth s (est.) | compile s | load s | peak RSS GB |")
@@ -400,6 +552,7 @@ def main() -> None:
             size=args.size,
             batch=args.batch,
             dtype=args.dtype,
+            **({"caption_tokens": args.caption_tokens} if args.model == "z-image" else {}),
             step_s=step,
             per_layer_s=step / n,
             full_depth_est_s=step * full / n,
