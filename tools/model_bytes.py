@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from flax import nnx
 
 from engine.families.base import Models
 from engine.families.loader import folder_family
-from engine.loading.quantize import int8_components, param_bytes, quantize_params
+from engine.loading.quantize import int8_components, param_bytes, quantize_params, streaming_int8
 from engine.loading.sources import resolve
 from engine.nn.layers import shapes_only
 
@@ -148,11 +149,11 @@ PUBLISHED = {
     },
 }
 FREE_SPACE = 16e9  # a free Hugging Face Space: 16 GB of memory (2 vCPUs), weights and everything else in it
+LOADING_THREADS = 2  # `loading.weights.LOAD_THREADS` there: its 2 vCPUs
 
 
-def component_bytes(source: str | Path, dtype: str = "bfloat16") -> dict[str, tuple[int, int]]:
-    """component -> (bytes in `dtype`, bytes with `--quantize int8`) of the folder's networks as `load_pipeline`
-    builds them (text encoder on the devices), from its configs alone."""
+def _shapes(source: str | Path, dtype: str) -> tuple[nnx.State, list[str]]:
+    """The folder's networks as shape-only params in `dtype`, and the components `--quantize int8` takes."""
     folder = resolve(source)
     family = folder_family(folder)
     configs = {
@@ -164,8 +165,28 @@ def component_bytes(source: str | Path, dtype: str = "bfloat16") -> dict[str, tu
         _, params = nnx.split(Models(**family.build(configs, nnx.Rngs(0))))
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), params)
     chosen = [name for name in int8_components(family.denoiser.component, family.configs, "int8") if name in params]
+    return params, chosen
+
+
+def component_bytes(source: str | Path, dtype: str = "bfloat16") -> dict[str, tuple[int, int]]:
+    """component -> (bytes in `dtype`, bytes with `--quantize int8`) of the folder's networks as `load_pipeline`
+    builds them (text encoder on the devices), from its configs alone."""
+    params, chosen = _shapes(source, dtype)
     quantized = quantize_params(params, chosen)
     return {name: (param_bytes(params[name]), param_bytes(quantized[name])) for name in sorted(params.keys())}
+
+
+def kernels_in_flight(source: str | Path, threads: int = LOADING_THREADS, dtype: str = "bfloat16") -> int:
+    """Bytes a `--quantize int8` load holds at most beside the finished int8 tree (`loading.weights.convert(int8=)`
+    quantizes each kernel as it reads it): `threads` of the largest kernels it quantizes at once, each as its copy in
+    `dtype`, `quantize_kernel`'s f32 copy, and its int8 values twice (as made, then aligned for the devices)."""
+    params, chosen = _shapes(source, dtype)
+    takes = streaming_int8(chosen)
+    largest = max(
+        (math.prod(var.get_value().shape) for path, var in nnx.to_flat_state(params) if takes(path, var.get_value())),
+        default=0,
+    )
+    return threads * largest * (jnp.dtype(dtype).itemsize + 4 + 2)
 
 
 def write_folder(root: Path, files: dict) -> Path:
@@ -181,18 +202,17 @@ def write_folder(root: Path, files: dict) -> Path:
     return root
 
 
-def report(name: str, sizes: dict[str, tuple[int, int]]) -> str:
+def report(name: str, sizes: dict[str, tuple[int, int]], in_flight: int = 0) -> str:
     """A table of the components, with what a 16 GB free Space keeps for everything else once the int8 weights are
-    in, and the peak while loading: `load_pipeline` converts every component to bf16 before `quantize_params` makes
-    the int8 copies, so the bf16 tree and the new int8 kernels are held together for a moment."""
+    in, and the peak while loading with int8: the int8 tree and the kernels being quantized (`kernels_in_flight`)."""
     rows = [f"{name}", f"  {'component':<14}{'bf16 GB':>9}{'int8 GB':>9}"]
     rows += [f"  {c:<14}{b / 1e9:>9.2f}{q / 1e9:>9.2f}" for c, (b, q) in sizes.items()]
     bf16, int8 = (sum(s[i] for s in sizes.values()) for i in (0, 1))
-    new = sum(q for b, q in sizes.values() if q != b)
     rows.append(f"  {'total':<14}{bf16 / 1e9:>9.2f}{int8 / 1e9:>9.2f}")
     rows.append(
         f"  computed, not measured: with int8, {(FREE_SPACE - int8) / 1e9:.2f} GB of a 16 GB free Space left for "
-        f"activations and the runtime; {(bf16 + new) / 1e9:.2f} GB held at once while loading"
+        f"activations and the runtime; {(int8 + in_flight) / 1e9:.2f} GB held at most while loading "
+        f"({LOADING_THREADS} loading threads)"
     )
     return "\n".join(rows)
 
@@ -207,7 +227,7 @@ def main() -> None:
         if args.published:
             sources.update({n: write_folder(Path(tmp) / n.replace("/", "--"), c) for n, c in PUBLISHED.items()})
         for name, source in sources.items():
-            print(report(name, component_bytes(source)))
+            print(report(name, component_bytes(source), kernels_in_flight(source)))
 
 
 if __name__ == "__main__":

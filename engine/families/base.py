@@ -113,7 +113,7 @@ class TextSide:
     # or their T5 embeddings when T5 runs on the host
     extra_inputs: ExtraInputs = field(default=none_extra, repr=False)
     # The large encoder's component (T5; a decoder LM), which `load_model_folder(t5=)` keeps on the host or leaves
-    # out, and how the host runs it: (component, config, its tensors, dtype, where) -> `loading.host_encoder`'s
+    # out, and how the host runs it: (component, config, its tensors, dtype, where, int8=) -> `loading.host_encoder`'s
     host_encoder: str | None = None
     on_host: Callable[..., Any] = field(default=host_t5, repr=False)
     # False: the CLIP encoders read a prompt's first 77 tokens as they are, one chunk and no emphasis, as diffusers'

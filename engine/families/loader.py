@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError, SourceError
-from ..loading.quantize import int8_components
+from ..loading.quantize import int8_components, streaming_int8
 from ..loading.sources import ModelFolder, resolve
 from ..loading.textual_inversion import NO_EMBEDDINGS, Embeddings
 from ..loading.tokenizer import Tokenizer
@@ -163,9 +163,10 @@ def load_model_folder(
     `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or Hub id) or the
     Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them), its
     prediction type from `prediction_type` or a `.yaml` beside it;
-    `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: a text encoder
-    kept on the host is quantized there where `load_pipeline(quantize=)` quantizes it on the devices
-    (`loading.quantize.int8_components`: Qwen3 with "int8"); the devices' tree is left to `load_pipeline`."""
+    `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: with "int8", the
+    kernels of `loading.quantize.int8_components` (the denoiser, a Qwen3 text encoder, on the devices or the host) are
+    quantized as each tensor is read, so the load never holds the float model beside its int8 copy; "w8a8" is left to
+    `load_pipeline`."""
     if t5 not in T5_PLACES:
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
@@ -214,16 +215,20 @@ def load_model_folder(
         for key, value in family.tensors(name, configs[name], rename_legacy(by_component.get(name, {}))).items()
     }
 
+    # int8's kernels are quantized as they are read (`quantize.streaming_int8`): the float model is never held whole
+    int8 = int8_components(family.denoiser.component, family.configs, quantize) if quantize == "int8" else ()
     host = None
     if t5 == "host" and text.host_encoder in configs:
         name = text.host_encoder
         mine = {key[len(name) + 1 :]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
-        host = text.on_host(name, configs[name], mine, dtype, folder.name)
-        if quantize is not None and name in int8_components(family.denoiser.component, family.configs, quantize):
-            host.quantize()
+        host = text.on_host(name, configs[name], mine, dtype, folder.name, int8=name in int8)
     on_device = {name: config for name, config in configs.items() if host is None or name != text.host_encoder}
     graphdef, params = convert(
-        lambda: Models(**family.build(on_device, nnx.Rngs(0))), tensors, dtype, where=folder.name
+        lambda: Models(**family.build(on_device, nnx.Rngs(0))),
+        tensors,
+        dtype,
+        where=folder.name,
+        int8=streaming_int8(int8) if int8 else None,
     )
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])

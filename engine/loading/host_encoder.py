@@ -6,7 +6,8 @@ step. With `load_pipeline(t5="host")` (`--t5 host`) its weights stay out of the 
 on the CPU backend when a request is tokenized, and the embeddings travel with the request like its token ids.
 Qwen3-4B (Z-Image's and FLUX.2 [klein]'s text encoder, 8 GB in bf16) runs there the same way (`host_qwen3`): its
 ids and attention mask in, the hidden layers its pipeline reads out. With `--quantize int8` its linear kernels are
-kept there as int8 (`HostEncoder.quantize`: about half their bf16 bytes), widened inside the program that reads them.
+kept there as int8 (`HostEncoder(int8=True)`: about half their bf16 bytes, each quantized as it is read, as
+`quantize.quantize_module` would quantize the loaded tree), widened inside the program that reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .quantize import dequantize, quantize_module
+from .quantize import dequantize, streaming_int8
 from .weights import convert
 
 
@@ -34,8 +35,10 @@ class HostEncoder:
         dtype: str,
         where: str,
         call: Callable[..., jax.Array] | None = None,
+        int8: bool = False,
     ):
-        graphdef, params = convert(module, tensors, dtype, where=where)
+        # int8: the large linear kernels kept as int8, quantized as they are read (`quantize.streaming_int8`)
+        graphdef, params = convert(module, tensors, dtype, where=where, int8=streaming_int8(None) if int8 else None)
         self.cpu = jax.devices("cpu")[0]
         self.params = jax.device_put(params, self.cpu)
         call = call or (lambda model, ids: model(ids))
@@ -48,26 +51,28 @@ class HostEncoder:
             arrays = (jax.device_put(np.asarray(x), self.cpu) for x in (ids, *inputs))
             return np.asarray(self._run(self.params, *arrays))
 
-    def quantize(self) -> None:
-        """Keeps the large linear kernels as int8 with one scale per output channel from now on
-        (`loading.quantize.quantize_module`, as `--quantize int8` keeps the devices' text encoder)."""
-        with self.lock:
-            self.params = jax.device_put(quantize_module(self.params), self.cpu)
-
     @property
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self.params))
 
 
-def host_t5(component: str, config: Any, tensors: dict[str, np.ndarray], dtype: str, where: str) -> HostEncoder:
+def host_t5(
+    component: str, config: Any, tensors: dict[str, np.ndarray], dtype: str, where: str, int8: bool = False
+) -> HostEncoder:
     """The folder's T5 (sub-folder `component`, its tensors without the prefix) as a `HostEncoder`."""
     from ..models.t5 import T5EncoderModel
 
-    return HostEncoder(lambda: T5EncoderModel(config, nnx.Rngs(0)), tensors, dtype, f"{where} {component}")
+    return HostEncoder(lambda: T5EncoderModel(config, nnx.Rngs(0)), tensors, dtype, f"{where} {component}", int8=int8)
 
 
 def host_qwen3(
-    component: str, config: Any, tensors: dict[str, np.ndarray], dtype: str, where: str, hidden_layers: Sequence[int]
+    component: str,
+    config: Any,
+    tensors: dict[str, np.ndarray],
+    dtype: str,
+    where: str,
+    hidden_layers: Sequence[int],
+    int8: bool = False,
 ) -> HostEncoder:
     """The folder's Qwen3 (a `Qwen3Model` or `Qwen3ForCausalLM`'s tensors) as a `HostEncoder` of its first layers
     up to the last of `hidden_layers` (transformers' `hidden_states` indices): (ids, mask) -> those states side by
@@ -81,4 +86,5 @@ def host_qwen3(
         dtype,
         f"{where} {component}",
         call=lambda model, ids, mask: prompt_embeds(config, model(ids, mask), hidden_layers),
+        int8=int8,
     )

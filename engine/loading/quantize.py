@@ -7,6 +7,7 @@ Weight-only, symmetric, per output channel, round to nearest (the recipe of LLM.
 optimum-quanto's qint8 weights): a linear kernel w [in, out] becomes `Int8Kernel(values, scale)` with
 `scale[j] = max_i |w[i, j]| / 127` and `values = round(w / scale)`, so `values * scale` is within `scale / 2` of
 every weight. Only large 2-D kernels are replaced; biases, norms, embeddings and convolutions stay as they were.
+The loader quantizes each such kernel as it reads its tensor (`streaming_int8`), so loading never holds the float model.
 
 The quantized tree is data like any other param tree: it is put on the devices as int8 and handed to the jitted
 programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
@@ -20,7 +21,7 @@ activations quantized per call (engine/nn/int8.py): on a CPU without native bf16
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -83,21 +84,24 @@ def quantize_kernel(kernel: Any) -> Int8Kernel:
         )
     w = np.asarray(kernel)
     dtype = w.dtype
-    w = w.astype(np.float32)
-    scale = np.abs(w).max(axis=0) / 127.0  # [out]
+    w = w.astype(np.float32)  # the one f32 copy: every step below works in it, in place (`streaming_int8`'s peak)
+    # [out]: max |w| per column, with no |w| array (+ 0.0: a column of -0.0 gives 0.0, as |w| would)
+    scale = (np.maximum(w.max(axis=0), -w.min(axis=0)) + 0.0) / 127.0
     stored = scale.astype(dtype)
     # bf16 keeps 8 significant bits: x * (1 + 2^-7), rounded to nearest, is never below x
     stored = np.where(stored.astype(np.float32) < scale, (scale * (1 + 2.0**-7)).astype(dtype), stored)
     divisor = stored.astype(np.float32)
-    values = np.rint(w / np.where(divisor == 0, 1.0, divisor))
-    return Int8Kernel(np.clip(values, -127, 127).astype(np.int8), stored)
+    np.divide(w, np.where(divisor == 0, 1.0, divisor), out=w)
+    np.rint(w, out=w)
+    return Int8Kernel(np.clip(w, -127, 127, out=w).astype(np.int8), stored)
 
 
 def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tuple[str, ...]:
     """The components `quantize=mode` replaces kernels of, of a family whose denoiser is `denoiser` and whose
     components' config classes are `configs` (`Family.configs`): the denoiser; with "int8" also each decoder-LM text
-    encoder (`INT8_TEXT_ENCODERS`), wherever it runs (`quantize_params` on the devices' tree, `quantize_module` on
-    the host's). "w8a8" computes in int8 and stays the UNet's."""
+    encoder (`INT8_TEXT_ENCODERS`), wherever it runs (the loader quantizes each kernel as it reads it,
+    `streaming_int8`, as `quantize_params` would the devices' tree and `quantize_module` the host's). "w8a8" computes
+    in int8 and stays the UNet's."""
     text = [name for name, cls in configs.items() if mode == "int8" and issubclass(cls, INT8_TEXT_ENCODERS)]
     return (denoiser, *text)
 
@@ -150,6 +154,19 @@ def quantize_params(
         )
     chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
     return _replace(params, lambda path, value: chooses(path, value, components, min_size), quantize)
+
+
+def streaming_int8(components: Sequence[str] | None, min_size: int = MIN_SIZE) -> Callable[[tuple, Any], bool]:
+    """Which kernels `--quantize int8` takes, as `loading.weights.convert(int8=)` asks while it reads a checkpoint:
+    (a param's path in the tree built, its shape-only value) -> whether to quantize it as its tensor is read. Those of
+    `components` (a `Models` tree's: `int8_components`), or of any path (None: one module's own tree, a host encoder's),
+    chosen as `quantize_params` and `quantize_module` choose them, so the tree is the same as quantizing after the load.
+
+    Why while reading: quantizing after the load holds the whole model in the run dtype first and its int8 copy beside
+    it (Z-Image-Turbo's 20.5 GB of bf16 and 10.7 of int8); this way each kernel's float copy lives only while it is
+    quantized, and the load holds the int8 model plus the few kernels being quantized at once (`LOAD_THREADS`)."""
+    chosen = None if components is None else set(components)
+    return lambda path, value: _quantizable(path, value, chosen, min_size)
 
 
 def quantize_module(params: nnx.State, min_size: int = MIN_SIZE) -> nnx.State:

@@ -10,7 +10,8 @@ unexpected and mis-shaped tensors are fatal and reported together.
 Loading costs memory traffic, not arithmetic: each full copy of SD 1.5's 4.3 GB (f32) is seconds of
 page faults. So the files are mapped, not read (the tensors are views of the page cache), and each
 tensor is copied once, into our layout and dtype, by several threads at once, into memory aligned as
-the CPU backend's `device_put` wants it to use the array in place instead of copying it again.
+the CPU backend's `device_put` wants it to use the array in place instead of copying it again. A kernel that
+`--quantize int8` takes is quantized as soon as it is copied (`convert(int8=)`), so its float copy never outlives it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import struct
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -30,7 +32,7 @@ from flax import nnx
 from ..cpus import usable_cpus
 from ..errors import WeightsError
 from ..nn.layers import shapes_only
-from .quantize import Int8Kernel
+from .quantize import Int8Kernel, quantize_kernel
 
 LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -164,9 +166,17 @@ def aligned_copy(array: np.ndarray, dtype) -> np.ndarray:
 
 
 def convert(
-    make_model: Callable[[], nnx.Module], tensors: Mapping[str, np.ndarray], dtype=np.float32, where: str = "model"
+    make_model: Callable[[], nnx.Module],
+    tensors: Mapping[str, np.ndarray],
+    dtype=np.float32,
+    where: str = "model",
+    int8: Callable[[tuple, Any], bool] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Returns the model's graph and a state of host numpy arrays in `dtype`, ready for device_put."""
+    """Returns the model's graph and a state of host numpy arrays in `dtype`, ready for device_put.
+
+    `int8(path, shape-only value)`: the kernels to keep as `Int8Kernel`s (`quantize.streaming_int8`), each quantized
+    as it is read, from its copy in `dtype`, which is dropped then: the same values as `quantize_params` gives the
+    finished tree, without ever holding the model in `dtype` beside its int8 copy."""
     with shapes_only():
         graphdef, abstract = nnx.split(make_model())
     tensors = {k: v for k, v in rename_legacy(tensors).items() if not IGNORED.search(k)}
@@ -189,7 +199,7 @@ def convert(
         if array.shape != shape:
             misshaped.append(f"{name}: checkpoint {tuple(tensors[name].shape)}, model expects {shape} (our layout)")
             continue
-        found.append((path, var, array))
+        found.append((path, var, array, int8 is not None and int8(path, var.get_value())))
     unexpected = sorted(set(tensors) - seen)
     if missing or unexpected or misshaped:
         lines = [f"{where}: the weights do not fit the model built from its config.json"]
@@ -199,13 +209,19 @@ def convert(
                     f"  {title} ({len(names)}): " + "; ".join(names[:20]) + (" ..." if len(names) > 20 else "")
                 )
         raise WeightsError("\n".join(lines))
+
     # One copy per tensor, by several threads (numpy copies without the GIL), the largest first so they end together.
+    def copy(i: int) -> np.ndarray | Int8Kernel:
+        _, _, array, quantized = found[i]
+        if not quantized:
+            return aligned_copy(array, dtype)
+        kernel = quantize_kernel(aligned_copy(array, dtype))  # the float copy is dropped here
+        return Int8Kernel(aligned_copy(kernel.values, np.int8), aligned_copy(kernel.scale, kernel.scale.dtype))
+
     largest_first = sorted(range(len(found)), key=lambda i: -found[i][2].size)
     with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="jax-sd-load") as pool:
-        copies = dict(
-            zip(largest_first, pool.map(lambda i: aligned_copy(found[i][2], dtype), largest_first), strict=True)
-        )
-    flat = [(path, var.replace(copies[i])) for i, (path, var, _) in enumerate(found)] + kept
+        copies = dict(zip(largest_first, pool.map(copy, largest_first), strict=True))
+    flat = [(path, var.replace(copies[i])) for i, (path, var, *_) in enumerate(found)] + kept
     return graphdef, nnx.from_flat_state(flat)
 
 

@@ -166,12 +166,12 @@ def load_pipeline(
         # rows appended to the text encoders' token tables, once
         model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
-    if quantize is not None:  # the denoiser's kernels, and a Qwen3 text encoder's with int8 (the host's at load)
+    # int8's kernels (the denoiser's, a Qwen3 text encoder's) were quantized as load_model_folder read them; w8a8's are
+    # quantized here, the UNet's and a TAESD's decode (most of a picture's fixed part on a CPU that computes in int8)
+    if quantize == "w8a8":
         family = FAMILIES[model.family]
         chosen = int8_components(family.denoiser.component, family.configs, quantize)
-        chosen = [name for name in chosen if name in model.params.keys()]
         model = dataclasses.replace(model, params=quantize_params(model.params, chosen, mode=quantize))
-    if quantize == "w8a8":  # a TAESD's decode in int8 too: most of a picture's fixed part on such a CPU
         model = dataclasses.replace(model, params=quantize_tiny_decoder(model.params))
     checker = None
     if safety_checker:
