@@ -62,16 +62,8 @@ def served(request, tmp_path_factory):
 
 def drawn(engine, seed: int, guidance_scale: float | None = None, **fields) -> Image.Image:
     """The engine's own picture for the values every door below sends."""
-    request = GenerationRequest(
-        prompt=PROMPT,
-        seed=seed,
-        num_inference_steps=STEPS,
-        guidance_scale=guidance_scale,
-        width=SIZE,
-        height=SIZE,
-        scheduler="flow_euler",
-        **fields,
-    )
+    values = {"prompt": PROMPT, "seed": seed, "num_inference_steps": STEPS, "width": SIZE, "height": SIZE, **fields}
+    request = GenerationRequest(**values, guidance_scale=guidance_scale, scheduler="flow_euler")
     return engine.submit(request).result(300).images[0]
 
 
@@ -197,6 +189,7 @@ def test_the_cluster_serves_the_family(served):
         assert max_pixel_difference(result.images[0], drawn(engine, 8)) == 0
     finally:
         remote.close()
+        replica.engine = None  # the replica closes its engine when collected; this one is the module's
 
 
 # ---- editing from reference pictures: OpenAI's edits and A1111's img2img -----------------------------------------
@@ -220,18 +213,20 @@ def png(picture: Image.Image) -> bytes:
 
 
 def edit(url: str, pictures, **fields) -> httpx.Response:
-    """OpenAI's `/v1/images/edits` as the openai client sends several pictures: one `image[]` part each."""
-    data = dict(prompt=PROMPT, size=f"{SIZE}x{SIZE}", num_inference_steps=str(STEPS), guidance_scale="1.0", **fields)
+    """OpenAI's `/v1/images/edits` as the openai client sends several pictures: one `image[]` part each; no size,
+    so the picture takes the first one's (64x64)."""
+    data = dict(prompt=PROMPT, num_inference_steps=str(STEPS), guidance_scale="1.0", **fields)
     files = [("image[]", (f"{k}.png", png(p), "image/png")) for k, p in enumerate(pictures)]
     return httpx.post(url + "/v1/images/edits", data=data, files=files, timeout=300)
 
 
 def test_openai_edits_and_a1111_img2img_edit_from_every_picture_sent(served):
     """For Klein, which edits, each `image[]` part and each init image is a reference, in order (A1111's denoising
-    strength ignored): the engine's picture from those references. Z-Image edits one picture, so two are refused."""
+    strength ignored), and the picture takes the first one's size: the engine's picture from those references.
+    Z-Image edits one picture, so two are refused."""
     engine, url = served
     answer = edit(url, REFERENCES, seed="9")
-    body = dict(prompt=PROMPT, seed=10, steps=STEPS, cfg_scale=1.0, width=SIZE, height=SIZE, sampler_name="Euler")
+    body = dict(prompt=PROMPT, seed=10, steps=STEPS, cfg_scale=1.0, sampler_name="Euler")
     body.update(init_images=[base64.b64encode(png(p)).decode() for p in REFERENCES], denoising_strength=0.75)
     a1111 = httpx.post(url + "/sdapi/v1/img2img", json=body, timeout=300)
     if not engine.limits.max_references:
@@ -239,13 +234,40 @@ def test_openai_edits_and_a1111_img2img_edit_from_every_picture_sent(served):
         assert a1111.status_code == 422 and "one init image per request" in a1111.json()["detail"]
         return
     assert answer.status_code == 200, answer.text
-    want = drawn(engine, 9, 1.0, references=REFERENCES)
+    assert answer.json()["size"] == "64x64"
+    want = drawn(engine, 9, 1.0, references=REFERENCES, width=None, height=None)
     assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), want) == 0
-    assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), drawn(engine, 9, 1.0)) > 0
     assert a1111.status_code == 200, a1111.text
-    assert (
-        max_pixel_difference(decode_png(a1111.json()["images"][0]), drawn(engine, 10, 1.0, references=REFERENCES)) == 0
-    )
+    want = drawn(engine, 10, 1.0, references=REFERENCES, width=None, height=None)
+    assert max_pixel_difference(decode_png(a1111.json()["images"][0]), want) == 0
+
+
+def test_the_pages_edit_mode_draws_from_its_reference_pictures(served, tmp_path):
+    """Klein's page offers Edit, and `/generate` in that mode draws the engine's picture from the uploaded pictures,
+    at the first one's size; Z-Image's offers no Edit, and `/generate` refuses references saying the model does not
+    take them."""
+    from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
+
+    engine, url = served
+    paths = []
+    for k, picture in enumerate(REFERENCES):
+        paths.append(tmp_path / f"reference{k}.png")
+        picture.save(paths[-1])
+    uploads = [{"image": handle_file(str(path)), "caption": None} for path in paths]
+    client = Client(url, verbose=False, download_files=str(tmp_path / "downloads"))
+    values = dict(page_values(engine, seed=11), guidance_scale=1.0, mode="Edit", references=uploads)
+    modes = [c for c in client.config["components"] if c["props"].get("elem_id") == "mode"][0]["props"]["choices"]
+    if not engine.limits.max_references:
+        assert "Edit" not in [label for label, _ in modes]
+        with pytest.raises(AppError, match="does not take reference pictures"):
+            client.predict(**values, api_name="/generate")
+        return
+    assert [label for label, _ in modes] == ["Text to image", "Edit", "Image to image", "Inpaint"]
+    gallery, _, _ = client.predict(**values, api_name="/generate")
+    want = drawn(engine, 11, 1.0, references=REFERENCES, width=None, height=None)
+    with Image.open(gallery[0]["image"]) as got:
+        assert got.size == (64, 64) and max_pixel_difference(got.convert("RGB"), want) == 0
 
 
 def test_an_edit_is_refused_with_a_mask_strength_or_too_many_pictures(served):

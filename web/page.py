@@ -80,7 +80,8 @@ OWN_INPUTS = {
     "images_per_device": ("pictures per device; the server has one or more devices.", inspect.Parameter.empty),
     "canny_edges": ("steer with the control picture's Canny edge map rather than the picture itself.", False),
     "mode": (
-        '"Text to image", "Image to image" (redraw `picture`) or "Inpaint" (redraw its masked part).',
+        '"Text to image", "Image to image" (redraw `picture`), "Inpaint" (redraw its masked part) or, for a model that'
+        ' edits, "Edit" (edit from `references`).',
         "Text to image",
     ),
     "picture": (
@@ -88,6 +89,10 @@ OWN_INPUTS = {
         None,
     ),
     "mask": ("inpainting: a mask at the picture's size, white where the picture is redrawn (else the painting).", None),
+    "references": (
+        "Edit: the pictures the model edits from, in order (models that edit only); the picture takes the first's size.",
+        None,
+    ),
 }
 FIRST_WITHOUT_DEFAULT = 9  # /generate's first parameters (prompt ... images_per_device) have no default
 GENERATE_DOC = """Draws pictures with Stable Diffusion from a text prompt, or from a picture and a prompt.
@@ -186,12 +191,27 @@ def read_png_info(pipe: engine.EngineFace, image: Any, files: ClientFiles) -> li
 
 def picture_controls(
     pipe: engine.EngineFace, controls: dict[str, Any]
-) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider]:
-    """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength;
-    the picture section's other fields (mask blur, only masked, ...) go into `controls`."""
+) -> tuple[gr.Radio, gr.ImageEditor, gr.Image, gr.Slider, gr.Gallery]:
+    """The mode choice, the picture (inpainting: paint over what to redraw), an optional uploaded mask, strength, and
+    the Edit mode's reference pictures (shown only for a model that edits); the picture section's other fields (mask
+    blur, only masked, ...) go into `controls`."""
     choices = mode_choices(pipe)
-    with gr.Accordion("Start from a picture: image to image, inpainting", open=choices[0] != "Text to image"):
+    most = getattr(pipe.limits, "max_references", 0)
+    title = "Start from a picture: " + ("edit, " if most else "") + "image to image, inpainting"
+    with gr.Accordion(title, open=choices[0] != "Text to image"):
         mode = gr.Radio(choices, value=choices[0], label="Mode", elem_id="mode")
+        references = gr.Gallery(
+            label=f"Edit: the pictures the model edits from (up to {most}; the picture takes the first one's size)"
+            if most
+            else "Edit: the pictures the model edits from",
+            type="pil",
+            interactive=True,
+            file_types=["image"],
+            columns=4,
+            height=200,
+            visible=bool(most),
+            elem_id="references",
+        )
         picture = gr.ImageEditor(
             label="Picture (to inpaint, paint over what to redraw)",
             type="pil",
@@ -207,7 +227,17 @@ def picture_controls(
         for name, f in page_fields().items():  # inpainting's options, in their order
             if f.page.section == "picture" and name != "strength":
                 controls[name] = field_control(pipe, name)
-    return mode, picture, mask, strength
+    return mode, picture, mask, strength, references
+
+
+def gallery_pictures(files: ClientFiles, value: Any, what: str) -> list:
+    """The pictures of an upload gallery's raw value (Gradio's file data, each under "image", or bare), each opened
+    as `files` allows."""
+    if not value:
+        return []
+    if not isinstance(value, list):
+        raise engine.InvalidRequest(f"{what} must be a list of uploaded pictures.")
+    return [files.picture(item.get("image", item) if isinstance(item, dict) else item, what) for item in value]
 
 
 # How `/generate` describes the LoRAs' weights to API and MCP clients: a map of names to numbers. gr.JSON describes
@@ -318,6 +348,7 @@ def create_demo(
                 files.editor(raw.pop("picture"), "The picture"),
                 files.picture(raw.pop("mask"), "The mask"),
                 raw.pop("strength"),
+                gallery_pictures(files, raw.pop("references"), "A reference picture"),
             )
             raw["control_image"] = files.picture(raw["control_image"], "The control picture")
         except engine.InvalidRequest as e:
@@ -384,7 +415,7 @@ def create_demo(
                     for name in basic
                     if name not in ("prompt", "negative_prompt", "seed")
                 }
-                mode, picture, mask, strength = picture_controls(pipe, controls)
+                mode, picture, mask, strength, references = picture_controls(pipe, controls)
                 with gr.Accordion("Advanced", open=False):
                     controls["scheduler"] = field_control(pipe, "scheduler")
                     if sizes is None:  # any size in range: typed as WIDTHxHEIGHT
@@ -459,6 +490,7 @@ def create_demo(
             picture=picture,
             mask=mask,
             strength=strength,
+            references=references,
         )
         controls.update(zip(ADAPTER_INPUTS, adapters, strict=True))
         inputs = [controls[name] for name in page_inputs()]

@@ -17,14 +17,17 @@ from PIL import Image
 import engine
 from engine import request_fields
 
-# The page's mode labels -> the engine's modes; an API sends the same labels.
-MODES = {"Text to image": "txt2img", "Image to image": "img2img", "Inpaint": "inpaint"}
+# The page's mode labels -> the engine's modes; an API sends the same labels. "Edit": the model edits from reference
+# pictures (`GenerationRequest.references`), offered only by a model that takes them.
+MODES = {"Text to image": "txt2img", "Edit": "edit", "Image to image": "img2img", "Inpaint": "inpaint"}
 # The ControlNet's and the LoRAs' inputs, in the order the page lists them after the form.
 ADAPTER_INPUTS = ("control_image", "canny_edges", "controlnet_conditioning_scale", "lora_scales")
 # `/generate`'s parameters as they stood before any field was added: the page's own ("random_seed", "size", ...) and
 # the request fields' page names. Every other field with a place on the page follows, in `request_fields` order.
 FIRST_INPUTS = ("prompt", "negative_prompt", "seed", "random_seed", "steps", "guidance_scale", "scheduler", "size")
 FIRST_INPUTS += ("images_per_device", *ADAPTER_INPUTS, "mode", "picture", "mask", "strength")
+# The Edit mode's pictures, beside the other picture inputs (the parameters after it moved one place on).
+FIRST_INPUTS += ("references",)
 # The page's own inputs that a history entry keeps, beside the fields of the remembered sections.
 REMEMBERED_OWN = ("size", "images_per_device")
 
@@ -120,8 +123,14 @@ def variant_of(pipe: engine.EngineFace) -> engine.Variant:
 
 
 def mode_choices(pipe: engine.EngineFace) -> list[str]:
-    """The modes the model can run: an inpainting model only repaints (its variant needs a picture and a mask)."""
-    return ["Inpaint"] if variant_of(pipe).needs else list(MODES)
+    """The modes the model can run: an inpainting model only repaints (its variant needs a picture and a mask), a
+    model that only edits (FLUX.1 Kontext) only edits, and Edit is offered by a model that takes reference pictures."""
+    if variant_of(pipe).needs:
+        return ["Inpaint"]
+    fewest, most = (getattr(pipe.limits, name, 0) for name in ("min_references", "max_references"))
+    if fewest:
+        return ["Edit"]
+    return [mode for mode in MODES if most or mode != "Edit"]
 
 
 def default_strength(pipe: engine.EngineFace, mode: Any) -> float:
@@ -129,14 +138,20 @@ def default_strength(pipe: engine.EngineFace, mode: Any) -> float:
     return variant_of(pipe).default_strength("mask" if mode == "Inpaint" else None)
 
 
-def picture_fields(mode: Any, picture: Any, mask: Any, strength: Any) -> dict[str, Any]:
+def picture_fields(mode: Any, picture: Any, mask: Any, strength: Any, references: Any = ()) -> dict[str, Any]:
     """The request's image, mask_image and strength from a mode, an image editor's value (or a picture) and an
-    optional mask; PIL pictures. Inpainting without a mask reads the editor's painted layers as the mask."""
+    optional mask; PIL pictures. Inpainting without a mask reads the editor's painted layers as the mask. Edit: the
+    `references` pictures, in order (the engine refuses them for a model that does not edit)."""
     kind = MODES.get(mode or "Text to image")
     if kind is None:
         raise _refuse(f"Mode must be one of {', '.join(MODES)}, not {mode!r}.")
     if kind == "txt2img":
         return {}
+    if kind == "edit":
+        if not references:
+            raise _refuse("Edit needs the pictures to edit from: upload one or more reference pictures first.")
+        # the picture takes the first one's size, as image to image takes its picture's
+        return {"references": tuple(p.convert("RGB") for p in references), "width": None}
     editor = picture if isinstance(picture, dict) else {"background": picture, "layers": []}
     image = editor.get("background")
     if image is None:
