@@ -3,18 +3,23 @@
 tests/test_z_image.py and tests/test_flux2_klein.py hold each engine's pictures to diffusers'; here each door must
 hand back the engine's own picture for the values it was sent (0 difference on 0..255). The tiny folders are theirs
 (Z-Image-Turbo's scheduler; Klein saved distilled), each served once by the real app on a free 127.0.0.1 port, and
-every request is 32x32 in 2 steps, so each engine compiles one plan for all its doors.
+every text-to-image request is 32x32 in 2 steps, so each engine compiles one plan for all those doors.
+
+Editing (Klein takes reference pictures, Z-Image none): OpenAI's edits, A1111's img2img and the page's Edit mode
+send two 64x64 pictures and no size, so the three share one more plan; Z-Image's doors refuse them. A model that
+only edits (FLUX.1 Kontext) is checked over the stand-in engine.
 
 The cluster is Ray Serve's deployment code without Ray: an `EngineReplica` around the engine, its `describe` and
-`generate` called as the cluster calls them (the request, the description and the events through Ray's cloudpickle, as Ray sends them),
-and the page's `RemoteEngine` over them. Starting a local Ray cluster costs minutes on this machine, and
-tests/test_cluster.py does it for the embedded model.
+`generate` called as the cluster calls them (the request, the description and the events through Ray's
+cloudpickle, as Ray sends them), and the page's `RemoteEngine` over them. Starting a local Ray cluster costs
+minutes on this machine, and tests/test_cluster.py does it for the embedded model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import re
 import urllib.request
@@ -24,11 +29,12 @@ import numpy as np
 import pytest
 import test_flux2_klein as klein_case
 import test_z_image as zimage_case
+from fastapi.testclient import TestClient
 from PIL import Image
 
 import web
 from engine import GenerationRequest, load_pipeline
-from tests._api_server import ServedApp, decode_png, max_pixel_difference
+from tests._api_server import FakeEngine, ServedApp, decode_png, max_pixel_difference
 
 SIZE, STEPS = 32, 2
 PROMPT = "a red circle on a blue background"
@@ -288,3 +294,32 @@ def test_an_edit_is_refused_with_a_mask_strength_or_too_many_pictures(served):
     body = dict(prompt=PROMPT, init_images=[base64.b64encode(png(REFERENCES[0])).decode()] * (most + 1))
     answer = httpx.post(url + "/sdapi/v1/img2img", json=body, timeout=60)
     assert answer.status_code == 422 and f"at most {most}" in answer.json()["detail"]
+
+
+# ---- a model that only edits (FLUX.1 Kontext: Limits.min_references 1), over the stand-in engine ------------------
+
+
+class OnlyEdits(FakeEngine):
+    limits = dataclasses.replace(FakeEngine.limits, min_references=1, max_references=1)
+
+
+def test_a_model_that_only_edits_is_sent_to_the_doors_that_edit():
+    """Its text-to-image doors refuse, naming the door to use; its editing doors hand the picture over as its
+    reference (A1111's denoising strength dropped); the page offers Edit alone."""
+    pipe = OnlyEdits()
+    site = web.build_app(pipe)
+    sent = REFERENCES[0]
+    with TestClient(site) as client:
+        answer = client.post("/sdapi/v1/txt2img", json={"prompt": PROMPT})
+        assert answer.status_code == 422 and "send it to img2img in init_images" in answer.json()["detail"]
+        answer = client.post("/v1/images/generations", json={"prompt": PROMPT})
+        assert answer.status_code == 400 and "/v1/images/edits" in answer.json()["error"]["message"]
+        body = dict(prompt=PROMPT, init_images=[base64.b64encode(png(sent)).decode()], denoising_strength=0.5)
+        assert client.post("/sdapi/v1/img2img", json=body).status_code == 200
+        files = [("image", ("0.png", png(sent), "image/png"))]
+        assert client.post("/v1/images/edits", data={"prompt": PROMPT}, files=files).status_code == 200
+    for request in pipe.calls:
+        assert request.image is None and request.strength is None and len(request.references) == 1
+        assert np.array_equal(np.asarray(request.references[0]), np.asarray(sent))
+    modes = [c for c in site.state.demo.config["components"] if c["props"].get("elem_id") == "mode"]
+    assert [label for label, _ in modes[0]["props"]["choices"]] == ["Edit"]
