@@ -91,6 +91,7 @@ class RemoteEngine:
         self.compute_path = d.compute_path  # one replica's, as all run the same settings
         self.label = f"{d.label} · Ray Serve cluster"
         self.defaults = dict(d.defaults)
+        self.guided = d.guided
         self.limits = d.limits
         self.devices = list(d.devices)  # one replica's: a request is drawn on one replica
         self.batch_size = d.batch_size  # pictures one replica draws at once

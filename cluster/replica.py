@@ -53,6 +53,7 @@ class Description:
     core_pairs: bool = False  # each device is a pair of XLA CPU devices
     dtype: str = "float32"  # the networks' dtype
     compute_path: str = ""  # the dtype and what computes the products ("float32, XLA (avx2)"), for people
+    guided: bool = True  # False: a step-distilled model, which ignores the guidance scale
 
 
 def served_name(model: str | None) -> str:
@@ -129,6 +130,7 @@ class EngineReplica:
             core_pairs=e.core_pairs,
             dtype=e.dtype,
             compute_path=e.compute_path,
+            guided=e.guided,
         )
 
     def activity(self) -> dict:

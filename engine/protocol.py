@@ -38,6 +38,7 @@ class EngineFace(Protocol):
     # Read with a fallback
     label: str | None  # "Stable Diffusion XL Turbo"; else `family`
     variant: Variant | None  # the picture inputs it takes; else text to image (engine.VARIANTS[0])
+    guided: bool  # False: step-distilled, the guidance scale changes nothing (FLUX.2 [klein]); else True
     controlnet: str | None  # the ControlNet's source, when one is loaded
     vae_name: str  # which VAE draws: "the model's own VAE", or the folder or Hub id given (a tiny one decodes fast)
     safety_mode: str  # "on", "off" (--no-safety-checker) or "none" (the model ships none)

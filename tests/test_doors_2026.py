@@ -188,7 +188,12 @@ def test_the_cluster_serves_the_family(served):
 
     remote = RemoteEngine.connect(Handle())
     try:
-        assert (remote.family, remote.variant, remote.defaults) == (engine.family, engine.variant, engine.defaults)
+        assert (remote.family, remote.variant, remote.defaults, remote.guided) == (
+            engine.family,
+            engine.variant,
+            engine.defaults,
+            engine.family == "z-image",  # Klein saved distilled takes no guidance
+        )
         request = GenerationRequest(PROMPT, seed=8, num_inference_steps=STEPS, width=SIZE, height=SIZE)
         result = remote.submit(request).result(300)
         assert result.devices[0].startswith("replica 0 · ")
@@ -270,6 +275,9 @@ def test_the_pages_edit_mode_draws_from_its_reference_pictures(served, tmp_path)
             client.predict(**values, api_name="/generate")
         return
     assert [label for label, _ in modes] == ["Text to image", "Edit", "Image to image", "Inpaint"]
+    # Klein saved distilled takes no guidance: its slider says so and cannot be moved
+    (guidance,) = [c["props"] for c in client.config["components"] if c["props"].get("label") == "Guidance scale"]
+    assert guidance["interactive"] is False and "step-distilled" in guidance["info"]
     gallery, _, _ = client.predict(**values, api_name="/generate")
     want = drawn(engine, 11, 1.0, references=REFERENCES, width=None, height=None)
     with Image.open(gallery[0]["image"]) as got:

@@ -132,6 +132,14 @@ def field_control(pipe: engine.EngineFace, name: str, **props: Any) -> gr.compon
     )
 
 
+def model_props(pipe: engine.EngineFace, name: str) -> dict[str, Any]:
+    """A control's props that depend on what the model is: a step-distilled model's guidance slider (FLUX.2 [klein]'s,
+    which ignores the scale) is shown, cannot be moved, and says why."""
+    if name == "guidance_scale" and not getattr(pipe, "guided", True):
+        return {"interactive": False, "info": "This model is step-distilled: the guidance scale changes nothing."}
+    return {}
+
+
 def generate_signature() -> tuple[inspect.Signature, str]:
     """`/generate`'s parameters (`requests.page_inputs`, then gradio's request and progress) and its docstring,
     which gradio_client's and MCP's descriptions are read from."""
@@ -411,7 +419,7 @@ def create_demo(
                     random_seed = gr.Checkbox(label="Random seed", value=True, scale=1)
                 basic = [name for name, f in page_fields().items() if f.page.section == "basic"]
                 controls = {
-                    name: field_control(pipe, name)
+                    name: field_control(pipe, name, **model_props(pipe, name))
                     for name in basic
                     if name not in ("prompt", "negative_prompt", "seed")
                 }

@@ -154,6 +154,7 @@ class Engine:
         # (name -> why) and `.a1111()`, A1111's /sdapi/v1/embeddings (engine/loading/textual_inversion.py)
         self.embeddings = model.embeddings
         self.defaults = dict(model.defaults)
+        self.guided = model.guided  # False: a step-distilled model (FLUX.2 [klein]), which ignores the guidance scale
         self.variant = model.variant  # what the model is and which picture inputs it takes
         factor = model.vae_scale_factor * model.patch_size  # one denoiser token's pixels
         self.limits = _model_limits(model, factor, n, self.loras.names, self.upscalers.names())
