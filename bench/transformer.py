@@ -84,6 +84,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench import best_time  # noqa: E402  bench.py's timer
+from tools.published_configs import PUBLISHED  # noqa: E402  the models' configs as their Hub folders hold them
 
 SD35_MEDIUM = dict(  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
     sample_size=128,
@@ -112,44 +113,17 @@ FLUX1_DEV = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
-# Tongyi-MAI/Z-Image-Turbo transformer/config.json: tests/test_transformer_z_image.py's Z_IMAGE_TURBO and
-# tools/model_bytes.py's PUBLISHED (read from the public copies of that file; the Hub is not reachable from here)
-Z_IMAGE_TURBO = dict(
-    all_patch_size=(2,),
-    all_f_patch_size=(1,),
-    in_channels=16,
-    dim=3840,
-    n_layers=30,
-    n_refiner_layers=2,
-    n_heads=30,
-    n_kv_heads=30,
-    norm_eps=1e-5,
-    qk_norm=True,
-    cap_feat_dim=2560,
-    rope_theta=256.0,
-    t_scale=1000.0,
-    axes_dims=(32, 48, 48),
-    axes_lens=(1536, 512, 512),
-)
-# black-forest-labs/FLUX.2-klein-4B transformer/config.json: KLEIN_4B of tools/model_bytes.py and of
-# tests/test_transformer_flux2.py (as diffusers' scripts/convert_flux2_to_diffusers.py writes it), and their 9B
-# (8 + 24 blocks of 32 heads, reading Qwen3-8B's layers)
-KLEIN_4B = dict(
-    patch_size=1,
-    in_channels=128,
-    num_layers=5,
-    num_single_layers=20,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=7680,
-    timestep_guidance_channels=256,
-    mlp_ratio=3.0,
-    axes_dims_rope=(32, 32, 32, 32),
-    rope_theta=2000,
-    eps=1e-6,
-    guidance_embeds=False,
-)
-KLEIN_9B = dict(KLEIN_4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+
+
+def published_transformer(repo: str) -> dict:
+    """A published model's transformer config (`tools.published_configs`) as constructor keywords."""
+    config = {k: v for k, v in PUBLISHED[repo]["transformer"].items() if not k.startswith("_")}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+
+
+Z_IMAGE_TURBO = published_transformer("Tongyi-MAI/Z-Image-Turbo")
+KLEIN_4B = published_transformer("black-forest-labs/FLUX.2-klein-4B")
+KLEIN_9B = published_transformer("black-forest-labs/FLUX.2-klein-9B")
 # Per model: the config; its blocks in all; the text tokens our engine passes (`text_tokens`, at `text_width`); the
 # latents' pixels a cell and channels (NHWC); our module and classes and diffusers' class; the config keys naming
 # the depth (the written folder's name)
