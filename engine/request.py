@@ -17,13 +17,13 @@ import numpy as np
 from PIL import Image
 
 from .errors import InvalidRequest
+from .request_references import check_references, reference_fill
 
 SEED_LIMIT = 2**32  # seeds are uint32, as PRNGKey takes them
 # A1111's img2img resize modes and inpainting starts ("Masked content"), by their numbers (sampling/inpaint.py)
 RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill", 3: "just resize (latent upscale)"}
 FILLS = {0: "fill", 1: "original", 2: "latent noise", 3: "latent nothing"}
 # Flux2ImageProcessor.check_image_input: a reference picture has no side shorter, and no aspect wider
-REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT = 64, 8.0
 DEFAULTED = ("num_inference_steps", "guidance_scale", "height", "width", "scheduler")  # a model's defaults fill these
 HIRES_STRENGTH = 0.7  # A1111's denoising strength for hires fix's second pass when a request gives none
 
@@ -215,7 +215,7 @@ class Limits:
             fill["lora_scales"] = {**dict.fromkeys(self.loras, 1.0), **(request.lora_scales or {})}
         if isinstance(request.image, Image.Image) and request.height is None and request.width is None:
             fill["width"], fill["height"] = self.image_size(request.image)
-        fill |= _reference_fill(self, request)
+        fill |= reference_fill(self, request)
         if request.strength is None and (request.image is not None or request.image_latents is not None):
             fill["strength"] = defaults.get("strength", 0.8)
         elif request.hires and request.hires_strength is not None:  # the second pass's own wins
@@ -280,7 +280,7 @@ class Limits:
         self._check_adapters(r)
         _check_hires_options(self, r)  # before the images': hires_strength has become the strength
         self._check_images(r)
-        _check_references(self, r)
+        check_references(self, r)
         _check_picture_options(self, r)
         self._check_hires(r)
 
@@ -419,83 +419,6 @@ class Limits:
                 f"{what} is too long: {tokens} tokens need {chunks} chunks of 75; at most {self.max_chunks} chunks "
                 f"({75 * self.max_chunks} tokens) are served, so shorten it or remove a BREAK"
             )
-
-
-def reference_size(limits: Limits, picture: Image.Image) -> tuple[int, int]:
-    """(width, height) a reference picture is drawn at: shrunk to `limits.reference_pixels` when larger (each side times
-    the square root of the areas' ratio, truncated: Flux2ImageProcessor's `_resize_to_target_area`), then each side
-    rounded down to `limits.side_multiple` (the family's `prepare` keeps the middle). With `reference_resolutions`,
-    the one nearest the picture's aspect instead (`nearest_resolution`)."""
-    w, h = picture.size
-    if limits.reference_resolutions:
-        w, h = nearest_resolution(w, h, limits.reference_resolutions, limits.side_multiple)
-    elif w * h > limits.reference_pixels:
-        scale = math.sqrt(limits.reference_pixels / (w * h))
-        w, h = int(w * scale), int(h * scale)
-    m = limits.side_multiple
-    return w // m * m, h // m * m
-
-
-def nearest_resolution(
-    width: int, height: int, resolutions: tuple[tuple[int, int], ...], multiple: int
-) -> tuple[int, int]:
-    """The (width, height) of `resolutions` nearest in aspect to a width x height picture, as FluxKontextPipeline's
-    `_auto_resize` picks it: the aspect of the picture's sides floored to `multiple` (its image processor's
-    `get_default_height_width`), the first of the closest in (difference, width, height) order, floored too. A side
-    under `multiple` counts as `multiple` (the pipeline divides by zero; `Limits.check` refuses such a picture)."""
-    w, h = (max(side - side % multiple, multiple) for side in (width, height))
-    _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in resolutions)
-    return w // multiple * multiple, h // multiple * multiple
-
-
-def _reference_fill(limits: Limits, r: GenerationRequest) -> dict:
-    """`resolve`'s part for references: a list (or None) becomes a tuple, and a request that gives no size (and no
-    picture to start from) takes its first reference's, as Flux2KleinPipeline does (a fixed size: the nearest)."""
-    fill = {}
-    if r.references is None or isinstance(r.references, list):
-        fill["references"] = tuple(r.references or ())
-    refs = fill.get("references", r.references)
-    if not (limits.max_references and isinstance(refs, tuple) and refs and isinstance(refs[0], Image.Image)):
-        return fill
-    if r.image is None and r.height is None and r.width is None:
-        w, h = (max(limits.min_side, side) for side in reference_size(limits, refs[0]))
-        if limits.sizes is not None and (w, h) not in limits.sizes:
-            w, h = limits.image_size(Image.new("1", (w, h)))
-        fill["width"], fill["height"] = w, h
-    return fill
-
-
-def _check_references(limits: Limits, r: GenerationRequest) -> None:
-    """Reference pictures: only for a model that edits, at most `max_references`, each a picture of a size the
-    family's pipeline takes."""
-    refs = r.references
-    if limits.min_references and (
-        refs is None or (isinstance(refs, (tuple, list)) and len(refs) < limits.min_references)
-    ):
-        what = "the picture to edit" if limits.min_references == 1 else f"at least {limits.min_references} pictures"
-        raise InvalidRequest(f"this model edits a picture as the prompt says: send {what} in references")
-    if refs is None or (isinstance(refs, (tuple, list)) and not refs):
-        return
-    if limits.max_references == 0:
-        raise InvalidRequest("this model does not take reference pictures (it does not edit); send no references")
-    if not isinstance(refs, (tuple, list)):
-        raise InvalidRequest(f"references must be a list of pictures, got {type(refs).__name__}")
-    if len(refs) > limits.max_references:
-        raise InvalidRequest(
-            f"{len(refs)} reference pictures are too many; this model takes at most {limits.max_references}"
-        )
-    low, wide = REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT
-    for k, picture in enumerate(refs, 1):
-        if not isinstance(picture, Image.Image):
-            raise InvalidRequest(f"reference {k} must be a picture (PIL.Image), got {type(picture).__name__}")
-        w, h = picture.size
-        if min(w, h) < low or max(w / h, h / w) > wide:
-            raise InvalidRequest(
-                f"reference {k} is {w}x{h}; a reference picture needs sides of at least {low} pixels and an "
-                f"aspect of at most {wide:g}:1"
-            )
-    if r.hires:
-        raise InvalidRequest("hires fix does not carry reference pictures to its second pass; send hires_scale 0")
 
 
 def _check_picture_options(limits: Limits, r: GenerationRequest) -> None:

@@ -21,7 +21,7 @@ from test_flux2_klein import PROMPT, TOLERANCE, build_reference, latents
 
 from engine import GenerationRequest, InvalidRequest, load_pipeline
 from engine.families.flux2 import prepare_reference
-from engine.request import reference_size
+from engine.request_references import reference_size
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:

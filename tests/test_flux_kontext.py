@@ -27,7 +27,7 @@ from test_transformer_flux import LAYOUTS, inputs, ours_from_torch
 
 from engine import GenerationRequest, InvalidRequest, load_pipeline
 from engine.families.flux_kontext import PREFERRED_RESOLUTIONS
-from engine.request import nearest_resolution, reference_size
+from engine.request_references import nearest_resolution, reference_size
 
 TOL = 1e-5  # tiny configs, f32
 LATENT_CHANNELS = 16

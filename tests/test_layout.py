@@ -13,11 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
 # Bottom to top: a module may import its own layer and the layers before it. `errors`, `cpus` (the CPUs this
-# process may use), `request` and `request_fields` (each request field described once) are the vocabulary every layer
-# speaks; `compat` sits beside the engine and may import all of it.
+# process may use), `request_references` (reference pictures' sizes and checks), `request` and `request_fields` (each
+# request field described once) are the vocabulary every layer speaks; `compat` sits beside the engine and may import
+# all of it.
 LAYERS = (
     "errors",
     "cpus",
+    "request_references",
     "request",
     "request_fields",
     "nn",

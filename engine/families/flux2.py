@@ -130,7 +130,7 @@ def denoise(models: Models, x: jax.Array, timesteps: jax.Array, kv: Any, cond: C
 def prepare_reference(picture: Image.Image, width: int, height: int) -> np.ndarray:
     """A reference picture as Flux2KleinPipeline encodes it, [height, width, 3] in [-1, 1]: shrunk by Lanczos to
     about `REFERENCE_PIXELS` when larger (`_resize_to_target_area`), its middle cut to width x height (the sizes
-    `engine.request.reference_size` gives: its sides floored to one token's pixels; Flux2ImageProcessor's
+    `engine.request_references.reference_size` gives: its sides floored to one token's pixels; Flux2ImageProcessor's
     `_resize_and_crop`, which only crops), in RGB."""
     w, h = picture.size
     if w * h > REFERENCE_PIXELS:

@@ -5,7 +5,7 @@ VAE, the flow schedule shifted by the output's token count, the guidance scale e
 pipeline's defaults). A request brings exactly one reference picture (`GenerationRequest.references`). On the host it
 is resized by Lanczos to the preferred resolution nearest its aspect (`PREFERRED_RESOLUTIONS`, the pipeline's
 `PREFERRED_KONTEXT_RESOLUTIONS` with `_auto_resize`: about a megapixel whatever the picture's size), its sides multiples
-of one token's pixels (`engine.request.reference_size`); in `admit` the VAE encodes it as the pipeline's
+of one token's pixels (`engine.request_references.reference_size`); in `admit` the VAE encodes it as the pipeline's
 `_encode_vae_image` (the posterior's mean, shifted and scaled), and at each step the transformer reads its 2x2 patches
 as tokens after the latents', with ids (1, row, col), and predicts the latents' velocity alone
 (`FluxTransformer2DModel(references=)`). A request that gives no size draws at the resized reference's size.
@@ -56,7 +56,7 @@ def denoise(models: Models, x: jax.Array, timesteps: jax.Array, kv, cond: Condit
 
 def prepare_reference(picture: Image.Image, width: int, height: int) -> np.ndarray:
     """The reference picture as FluxKontextPipeline encodes it, [height, width, 3] float32 in [-1, 1]: resized by
-    Lanczos to width x height (`VaeImageProcessor.resize`; the size `engine.request.reference_size` gives), in RGB."""
+    Lanczos to width x height (`VaeImageProcessor.resize`; the size `engine.request_references.reference_size` gives), in RGB."""
     picture = picture.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
     return np.asarray(picture, np.float32) / 255.0 * 2.0 - 1.0
 

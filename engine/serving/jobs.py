@@ -19,7 +19,8 @@ from ..errors import InvalidRequest
 from ..families import FAMILIES
 from ..families.base import References
 from ..families.loader import LoadedModel
-from ..request import GenerationRequest, Limits, reference_size
+from ..request import GenerationRequest, Limits
+from ..request_references import reference_size
 from ..sampling import modes
 from ..sampling.images import control_image_array
 from ..sampling.pipeline import Admission, Plan
