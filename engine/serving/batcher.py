@@ -93,6 +93,8 @@ class Batcher:
     # -- called from any thread ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._stop:  # a closed engine's requests would wait forever
+                raise Busy("this model's engine has shut down (the server is switching models or stopping); try again")
             if len(self._inbox) + len(self._waiting) >= self.max_waiting:
                 raise Busy(f"the server is busy ({self.max_waiting} requests waiting); try again in a moment")
             self._inbox.append(job)
@@ -100,9 +102,17 @@ class Batcher:
         self._wake.set()
 
     def close(self) -> None:
-        self._stop = True
+        """Stops the scheduler thread; the requests it still held fail, saying so, rather than wait forever."""
+        with self._lock:
+            self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._thread.is_alive():  # still inside a chunk: its jobs are the thread's to end
+            return
+        self._take_inbox()
+        for job in self._jobs():
+            if not job.ticket.done:
+                self._fail(job, GenerationFailed("the server closed this model's engine before the request finished"))
 
     @property
     def live_plans(self) -> list[Plan]:
