@@ -26,8 +26,9 @@ ADAPTER_INPUTS = ("control_image", "canny_edges", "controlnet_conditioning_scale
 # the request fields' page names. Every other field with a place on the page follows, in `request_fields` order.
 FIRST_INPUTS = ("prompt", "negative_prompt", "seed", "random_seed", "steps", "guidance_scale", "scheduler", "size")
 FIRST_INPUTS += ("images_per_device", *ADAPTER_INPUTS, "mode", "picture", "mask", "strength")
-# The Edit mode's pictures, beside the other picture inputs (the parameters after it moved one place on).
-FIRST_INPUTS += ("references",)
+# The page's own inputs added after callers had learnt `/generate`'s positions: after every field, so that a caller
+# passing values by position (gradio_client, scripts) finds each parameter where it was
+LAST_INPUTS = ("references",)  # the Edit mode's pictures
 # The page's own inputs that a history entry keeps, beside the fields of the remembered sections.
 REMEMBERED_OWN = ("size", "images_per_device")
 
@@ -38,8 +39,8 @@ def page_fields() -> dict[str, request_fields.RequestField]:
 
 
 def page_inputs() -> tuple[str, ...]:
-    """`/generate`'s parameters in order: the first ones, then every later field with a place on the page."""
-    return FIRST_INPUTS + tuple(name for name in page_fields() if name not in FIRST_INPUTS)
+    """`/generate`'s parameters in order: the first ones, every later field with a place on the page, the last ones."""
+    return FIRST_INPUTS + tuple(name for name in page_fields() if name not in FIRST_INPUTS) + LAST_INPUTS
 
 
 def form_fields() -> tuple[str, ...]:
