@@ -91,7 +91,14 @@ def shared_app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     server = getattr(config, "_jax_sd_app", None)
     if server is None:
         server = AppServer(
-            tmp_path_factory.mktemp("app"), "--queue-size", str(QUEUE_SIZE), "--max-batch-size", str(MAX_BATCH_SIZE)
+            tmp_path_factory.mktemp("app"),
+            "--queue-size",
+            str(QUEUE_SIZE),
+            "--max-batch-size",
+            str(MAX_BATCH_SIZE),
+            # live mode's pause, longer than the 0.3 s default: on the suite's loaded cores the page's keys reach the
+            # server with gaps past 0.3 s, each gap then a pause with its own drawing
+            env={"JAX_SD_LIVE_PAUSE_S": "0.8"},
         ).wait_until_up()
         config._jax_sd_app = server
         config.add_cleanup(server.stop)

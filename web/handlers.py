@@ -34,7 +34,21 @@ log = logging.getLogger("jax-sd")
 # (`requests.form_fields`, from `engine.request_fields`; this is the description as the server started with it).
 FORM_FIELDS = form_fields()
 HISTORY_LENGTH = 20
-LIVE_PAUSE_S = 0.3  # live mode draws once typing pauses this long
+
+
+def live_pause_s(default: float = 0.3) -> float:
+    """How long typing must pause before live mode draws: `JAX_SD_LIVE_PAUSE_S` seconds (0.05 to 5), else 0.3. A
+    server whose cores are busy may deliver a burst of keys with gaps past a short pause, each gap then a drawing."""
+    raw = os.environ.get("JAX_SD_LIVE_PAUSE_S", "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        log.warning("JAX_SD_LIVE_PAUSE_S=%r is not a number of seconds; live mode pauses %g s", raw[:20], default)
+        return default
+    return min(max(value, 0.05), 5.0) if value == value else default
+
+
+LIVE_PAUSE_S = live_pause_s()  # live mode draws once typing pauses this long
 THUMBNAIL_SIDE = 96
 MAX_UPSCALE = 4.0  # the page's Upscale: at most this many times a picture's sides
 
