@@ -50,6 +50,15 @@ def in_turns(waiting: list[Job], served: dict[str, int]) -> list[Job]:
     return [entry[-1] for entry in sorted(ranked, key=lambda entry: entry[:3])]
 
 
+def report_positions(waiting: list[Job]) -> None:
+    """Tells each request still waiting for its first slot its place in the line, when it changes."""
+    unstarted = [job for job in waiting if job.started is None]
+    for position, job in enumerate(unstarted, 1):
+        if job.position != position:
+            job.position = position
+            job.ticket.emit(Queued(position))
+
+
 class Batcher:
     """Owns the devices; `submit` hands it a Job, its thread does the rest."""
 
@@ -102,17 +111,10 @@ class Batcher:
         self._wake.set()
 
     def close(self) -> None:
-        """Stops the scheduler thread; the requests it still held fail, saying so, rather than wait forever."""
-        with self._lock:
+        with self._lock:  # no request is taken after this (`submit`); the thread ends those it holds (`_loop`)
             self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        if self._thread.is_alive():  # still inside a chunk: its jobs are the thread's to end
-            return
-        self._take_inbox()
-        for job in self._jobs():
-            if not job.ticket.done:
-                self._fail(job, GenerationFailed("the server closed this model's engine before the request finished"))
 
     @property
     def live_plans(self) -> list[Plan]:
@@ -134,6 +136,9 @@ class Batcher:
             except Exception:  # the loop itself must never die: log, fail nothing silently, go on
                 log.exception("batcher loop error")
                 time.sleep(0.1)
+        self._take_inbox()  # closed: the requests still held end, saying why, rather than wait forever
+        for job in self._jobs():
+            self._fail(job, GenerationFailed("the server closed this model's engine before the request finished"))
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -194,15 +199,7 @@ class Batcher:
                     job.started = time.perf_counter()
             if not job.waiting:
                 self._waiting.remove(job)
-        self._report_positions()
-
-    def _report_positions(self) -> None:
-        """Tells each request still waiting for its first slot its place in the line, when it changes."""
-        unstarted = [job for job in self._waiting if job.started is None]
-        for position, job in enumerate(unstarted, 1):
-            if job.position != position:
-                job.position = position
-                job.ticket.emit(Queued(position))
+        report_positions(self._waiting)
 
     def _compile_for(self, job: Job) -> None:
         """Asks for the plan's programs, as wide as the job needs, in the background; everyone else goes on."""
