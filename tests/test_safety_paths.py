@@ -8,6 +8,7 @@ answered alike, with neither the path nor anything of the secret coming back. Ov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -34,7 +35,9 @@ def outside(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page():
-    app = fake_app(FakeEngine())
+    pipe = FakeEngine()
+    pipe.limits = dataclasses.replace(pipe.limits, max_references=2)  # a model that edits: the Edit mode's gallery
+    app = fake_app(pipe)
     with TestClient(app) as client:
         yield app.state.demo, client
 
@@ -68,11 +71,11 @@ def queued(client, demo, name: str, data: list, session: str) -> dict:
     raise AssertionError("the queue closed without an answer")
 
 
-def generate_values(control_image=None, picture=None, mask=None, mode="Text to image") -> list:
+def generate_values(control_image=None, picture=None, mask=None, mode="Text to image", references=None) -> list:
     head = ["a cat", "", 7, False, 2, 7.5, "ddim", "64x64", 1]
     values = [*head, control_image, False, 1.0, None, mode, picture, mask, 0.5, 0, 0.0]
     later = list(generate_signature()[0].parameters.values())[len(values) : -2]  # fields added since; then gradio's
-    return values + [p.default for p in later]
+    return values + [references if p.name == "references" else p.default for p in later]
 
 
 def named(path: str, meta: bool) -> dict:
@@ -116,6 +119,9 @@ def test_the_path_probe_is_answered_alike_at_every_event_that_takes_a_picture(pa
             "generate",
             generate_values(picture={"background": named(p, meta), "layers": []}, mode="Image to image"),
             "g3",
+        ),
+        "reference picture": lambda p: queued(
+            client, demo, "generate", generate_values(references=[{"image": named(p, meta)}], mode="Edit"), "g4"
         ),
     }
     for door, call in doors.items():

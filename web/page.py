@@ -238,13 +238,19 @@ def picture_controls(
     return mode, picture, mask, strength, references
 
 
-def gallery_pictures(files: ClientFiles, value: Any, what: str) -> list:
+def gallery_pictures(files: ClientFiles, value: Any, what: str, most: int) -> list:
     """The pictures of an upload gallery's raw value (Gradio's file data, each under "image", or bare), each opened
-    as `files` allows."""
+    as `files` allows; more than `most` are refused before any is opened."""
     if not value:
         return []
     if not isinstance(value, list):
         raise engine.InvalidRequest(f"{what} must be a list of uploaded pictures.")
+    if not most:  # as Limits.check says it, before any picture is opened
+        raise engine.InvalidRequest(
+            "this model does not take reference pictures (it does not edit); send no references"
+        )
+    if len(value) > most:
+        raise engine.InvalidRequest(f"{len(value)} reference pictures are too many; this model takes at most {most}")
     return [files.picture(item.get("image", item) if isinstance(item, dict) else item, what) for item in value]
 
 
@@ -344,6 +350,7 @@ def create_demo(
     concurrency = concurrency or 2 * pipe.batch_size
 
     signature, doc = generate_signature()
+    most_references = getattr(pipe.limits, "max_references", 0)
 
     async def generate(*args):
         bound = signature.bind(*args)
@@ -356,7 +363,7 @@ def create_demo(
                 files.editor(raw.pop("picture"), "The picture"),
                 files.picture(raw.pop("mask"), "The mask"),
                 raw.pop("strength"),
-                gallery_pictures(files, raw.pop("references"), "A reference picture"),
+                gallery_pictures(files, raw.pop("references"), "A reference picture", most_references),
             )
             raw["control_image"] = files.picture(raw["control_image"], "The control picture")
         except engine.InvalidRequest as e:
