@@ -1,6 +1,12 @@
 """Reference pictures (`GenerationRequest.references`, for a model that edits): the size each is drawn at, the size a
 request that gives none takes from them, and what `Limits.check` refuses. The family's `Denoiser.references` says
-how many a model takes and how it sizes them; `Limits` carries that here."""
+how many a model takes and how it sizes them; `Limits` carries that here.
+
+The sizes are a static part of the plan, so each new combination compiles one. Where the server offers any size
+(`Limits.sizes` None, local use) a reference is drawn exactly as the family's diffusers pipeline draws it. On a server
+with fixed sizes it is drawn at one of `reference_shapes` (the offered sizes under the family's area rule, or the
+family's own list), the nearest by aspect, then area, and resized to it (`fit_reference`): a stranger's pictures of
+ever-new sizes can then make no more plans than those shapes allow."""
 
 from __future__ import annotations
 
@@ -23,15 +29,26 @@ def reference_size(limits: Limits, picture: Image.Image) -> tuple[int, int]:
     """(width, height) a reference picture is drawn at: shrunk to `limits.reference_pixels` when larger (each side times
     the square root of the areas' ratio, truncated: Flux2ImageProcessor's `_resize_to_target_area`), then each side
     rounded down to `limits.side_multiple` (the family's `prepare` keeps the middle). With `reference_resolutions`,
-    the one nearest the picture's aspect instead (`nearest_resolution`)."""
+    the one nearest the picture's aspect instead (`nearest_resolution`). On a server with fixed sizes and no such
+    list, the nearest of `reference_shapes` to that size (`nearest_shape`): not diffusers' size, a bounded set."""
     w, h = picture.size
     if limits.reference_resolutions:
         w, h = nearest_resolution(w, h, limits.reference_resolutions, limits.side_multiple)
-    elif w * h > limits.reference_pixels:
-        scale = math.sqrt(limits.reference_pixels / (w * h))
-        w, h = int(w * scale), int(h * scale)
+    else:
+        w, h = within_area(w, h, limits.reference_pixels)
+        if limits.sizes is not None:
+            return nearest_shape(w, h, reference_shapes(limits), limits.side_multiple)
     m = limits.side_multiple
     return w // m * m, h // m * m
+
+
+def within_area(width: int, height: int, pixels: int) -> tuple[int, int]:
+    """A width x height picture shrunk to about `pixels` when larger, each side times the square root of the areas'
+    ratio, truncated (Flux2ImageProcessor's `_resize_to_target_area`); unchanged when not larger."""
+    if width * height <= pixels:
+        return width, height
+    scale = math.sqrt(pixels / (width * height))
+    return int(width * scale), int(height * scale)
 
 
 def nearest_resolution(
@@ -44,6 +61,38 @@ def nearest_resolution(
     w, h = (max(side - side % multiple, multiple) for side in (width, height))
     _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in resolutions)
     return w // multiple * multiple, h // multiple * multiple
+
+
+def reference_shapes(limits: Limits) -> tuple[tuple[int, int], ...]:
+    """The (width, height) shapes a reference can be drawn at on this server, or () where any size diffusers' rule
+    gives goes (sizes not fixed, no list of the family's own). The family's list (`reference_resolutions`, FLUX.1
+    Kontext's preferred resolutions) when it has one; on a server with fixed sizes, each offered size under the
+    family's area rule (`within_area` of `reference_pixels`, sides floored to `side_multiple`). So there are at most
+    `len(limits.sizes)` (or the list's length), and a request with k references at most that to the k plans."""
+    if limits.reference_resolutions:
+        return tuple(limits.reference_resolutions)
+    if limits.sizes is None:
+        return ()
+    m = limits.side_multiple
+    shrunk = (within_area(w, h, limits.reference_pixels) for w, h in limits.sizes)
+    return tuple(dict.fromkeys((w // m * m, h // m * m) for w, h in shrunk))
+
+
+def nearest_shape(width: int, height: int, shapes: tuple[tuple[int, int], ...], multiple: int) -> tuple[int, int]:
+    """The one of `shapes` nearest a width x height picture: in aspect as `nearest_resolution` measures it (the
+    picture's sides floored to `multiple`, the difference of width / height), then in area, then the narrower."""
+    w, h = (max(side - side % multiple, multiple) for side in (width, height))
+    return min(shapes, key=lambda s: (abs(w / h - s[0] / s[1]), abs(s[0] * s[1] - w * h), s))
+
+
+def fit_reference(limits: Limits, picture: Image.Image, width: int, height: int) -> Image.Image:
+    """The picture the family's `References.prepare` receives to draw at width x height: itself where references are
+    drawn by the family's own rule, and resized by Lanczos to width x height on a server whose fixed sizes give the
+    shapes (`reference_shapes` without `reference_resolutions`), where diffusers' own crop would not reach them; the
+    family's crop or resize of a picture already that size then changes nothing."""
+    if limits.sizes is None or limits.reference_resolutions or picture.size == (width, height):
+        return picture
+    return picture.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
 
 
 def reference_fill(limits: Limits, r: GenerationRequest) -> dict:

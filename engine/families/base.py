@@ -131,7 +131,10 @@ class References:
     On the host (`serving.jobs`), each picture is drawn at `Limits.reference_size` (width, height: at most `pixels`,
     sides multiples of one token's pixels) by `prepare`, the family pipeline's own resize or crop, as [height, width,
     3] float32 in [-1, 1]. The references' sizes, in order, are static (`Plan.references`): requests bringing the same
-    count and sizes share a batch, others get a plan of their own, and none recompiles per request. In `admit`, each
+    count and sizes share a batch, others get a plan of their own, and none recompiles per request. On a server with
+    fixed sizes, the sizes are the nearest of a bounded set (`request_references.reference_shapes`: `resolutions`, or
+    the offered sizes within `pixels`) and the picture reaches `prepare` resized to it, so a family writes no rule
+    of its own for that. In `admit`, each
     is encoded by the family's `LatentFormat.encode` inside the program, and `Conditioning.references` holds a tuple of
     latent grids [rows, h_i, w_i, channels], one per reference in the request's order, rows as the slots' conditioning
     (each slot's (uncond, cond) pair when guided; an empty slot's are zeros). `denoise` reads them: the family decides

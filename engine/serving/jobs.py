@@ -20,7 +20,7 @@ from ..families import FAMILIES
 from ..families.base import References
 from ..families.loader import LoadedModel
 from ..request import GenerationRequest, Limits
-from ..request_references import reference_size
+from ..request_references import fit_reference, reference_size
 from ..sampling import modes
 from ..sampling.images import control_image_array
 from ..sampling.pipeline import Admission, Plan
@@ -176,11 +176,13 @@ class Jobs:
 
     def _references(self, r: GenerationRequest, plan: Plan) -> tuple[np.ndarray, ...]:
         """The reference pictures at their sizes in the plan, as the family's pipeline prepares them (`References.
-        prepare`), [H, W, 3] in [-1, 1]; zeros for an empty slot."""
+        prepare`; on a server with fixed sizes, first resized to the shape the plan gives: `fit_reference`), [H, W,
+        3] in [-1, 1]; zeros for an empty slot."""
         if not r.references:
             return tuple(np.zeros((h, w, 3), np.float32) for h, w in plan.references)
         prepare = FAMILIES[self.model.family].denoiser.references.prepare
-        return tuple(prepare(p, w, h) for p, (h, w) in zip(r.references, plan.references, strict=True))
+        pictures = zip(r.references, plan.references, strict=True)
+        return tuple(prepare(fit_reference(self.limits, p, w, h), w, h) for p, (h, w) in pictures)
 
     def blank(self, plan: Plan) -> Job:
         """The job an empty slot holds: a schedule of no steps, so the slot never changes."""
