@@ -116,7 +116,9 @@ def test_flux1_block_shapes_match_diffusers():
     # std 0.02 keeps the activations near 1 at FLUX.1's width (3072); the default 0.1 grows them 5x per layer.
     ref = randomized(TorchFlux, std=0.02, **FLUX1)
     ours = ours_from_torch(ref)
-    values = inputs(ours.config, (32, 32), tokens=16)
+    # The widths are the claim, not the sequence: 8 x 8 packed patches (rotary positions along both axes, as at
+    # 32 x 32) and 8 text tokens: a quarter of the tokens, of the runs' arithmetic and of the activations.
+    values = inputs(ours.config, (16, 16), tokens=8)
     want = diffusers_prediction(ref, **values)
     del ref
     got = ours_prediction(ours, **values)
