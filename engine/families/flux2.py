@@ -5,8 +5,10 @@ template with an empty think block, padded to 512 tokens; the encoder sees the a
 after layers 9, 18 and 27 sit side by side, padding rows included (`qwen_prompt.FLUX2_KLEIN`). The latents are the
 VAE's 32 channels, patchified 2x2 and normalised by the VAE's batch-norm statistics (`models.vae_flux2`): the steps
 draw the pipeline's grid [h/16, w/16, 128] itself (`LatentFormat.vae_patch`), whose cells are the transformer's
-tokens, and the VAE's side normalises on the way in and denormalises on the way out. The schedule is flow matching on the sigmas
-linspace(1, 1/n, n), shifted by `compute_empirical_mu`, which reads the step count as well as the token count.
+tokens, and the VAE's side normalises on the way in and denormalises on the way out; a tiny VAE given in its place
+(TAEF2, `load_pipeline(vae=...)`) works in the normalised space itself, unpatchified. The schedule is flow matching on
+the sigmas linspace(1, 1/n, n), shifted by `compute_empirical_mu`, which reads the step count as well as the token
+count.
 Guidance: the distilled folders (model_index.json `is_distilled`: 4 steps) take none, whatever the scale; the base
 folders take a second, unconditional batch row at scale > 1 (50 steps at 4), whose prompt is "" unless the request
 brings a negative prompt.
@@ -31,10 +33,11 @@ from ..errors import ConfigError
 from ..loading.host_encoder import HostEncoder
 from ..loading.qwen_tokenizer import QwenTokenizer
 from ..models import qwen3
+from ..models.autoencoder_tiny import AutoencoderTiny
 from ..models.qwen3 import Qwen3Config, Qwen3Model
 from ..models.transformer_flux import TIME_FACTOR
 from ..models.transformer_flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
-from ..models.vae_flux2 import AutoencoderKLFlux2, Flux2VAEConfig
+from ..models.vae_flux2 import AutoencoderKLFlux2, Flux2VAEConfig, patchify, unpatchify
 from .base import Conditioning, Denoiser, Family, LatentFormat, Models, References, text_to_image
 from .qwen_prompt import FLUX2_KLEIN
 from .sd3 import flow_sampling
@@ -142,13 +145,23 @@ def prepare_reference(picture: Image.Image, width: int, height: int) -> np.ndarr
     return np.asarray(picture, np.float32) / 255.0 * 2.0 - 1.0
 
 
-def to_latents(vae: AutoencoderKLFlux2, images: jax.Array) -> jax.Array:
-    """Pictures in [-1, 1] -> the steps' latents: `_encode_vae_image` (the posterior's mode, patchified, normalised)."""
+def to_latents(vae: AutoencoderKLFlux2 | AutoencoderTiny, images: jax.Array) -> jax.Array:
+    """Pictures in [-1, 1] -> the steps' latents: `_encode_vae_image` (the posterior's mode, patchified, normalised).
+
+    A tiny VAE (TAEF2) encodes straight to the normalised space, 2x2 patches apart: its latents are only
+    patchified (the pipeline reads no scaling factor, and TAEF2 has no batch norm to apply)."""
+    if isinstance(vae, AutoencoderTiny):
+        return patchify(vae.encode(images)[0])
     return vae.encode_latents(images)
 
 
-def to_pixels(vae: AutoencoderKLFlux2, x: jax.Array) -> jax.Array:
-    """The steps' latents -> pictures in about [-1, 1]: the pipeline's last steps (denormalise, unpatchify, decode)."""
+def to_pixels(vae: AutoencoderKLFlux2 | AutoencoderTiny, x: jax.Array) -> jax.Array:
+    """The steps' latents -> pictures in about [-1, 1]: the pipeline's last steps (denormalise, unpatchify, decode).
+
+    A tiny VAE (TAEF2) decodes the normalised latents unpatchified, as madebyollin's Flux2KleinPipeline wrapper
+    feeds it (an identity batch norm in the VAE's place) and ComfyUI's TAESD decodes FLUX.2's latents."""
+    if isinstance(vae, AutoencoderTiny):
+        return vae.decode(unpatchify(x))
     return vae.decode_latents(x)
 
 

@@ -1,5 +1,6 @@
 """Any VAE in place of a model's own: a diffusers `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or `AutoencoderTiny`
-(TAESD: madebyollin/taesd for SD 1.x/2.x, madebyollin/taesdxl for SDXL), as after diffusers'
+(TAESD: madebyollin/taesd for SD 1.x/2.x, madebyollin/taesdxl for SDXL, taesd3, taef1 for FLUX.1, Kontext and
+Z-Image; TAEF2 for FLUX.2 [klein], its config.json naming `use_midblock_gn`), as after diffusers'
 `pipe.vae = AutoencoderTiny.from_pretrained(...)`.
 
 The class comes from the folder's config.json `_class_name`; loading is strict like every load (every tensor
@@ -79,7 +80,8 @@ def attach_vae(model, vae: LoadedVAE):
     want = model.unet_latent_channels
     if vae.config.latent_channels != want:
         problems.append(f"its latent_channels is {vae.config.latent_channels}, the model's UNet draws {want}")
-    factor, own = vae.config.vae_scale_factor, model.vae_scale_factor
+    # The VAEs' own pixels per latent: the steps' may be more (FLUX.2 packs 2x2 of its VAE's latents)
+    factor, own = vae.config.vae_scale_factor, model.vae_config.vae_scale_factor
     if factor != own:
         problems.append(
             f"its vae_scale_factor is {factor} (pixels per latent along a side), the model's own VAE's is {own}"
@@ -87,7 +89,8 @@ def attach_vae(model, vae: LoadedVAE):
     if problems:
         raise SourceError(
             f"VAE {vae.name} does not fit the model {model.name}: {'; '.join(problems)}. "
-            "Is it a VAE for another model family (SD 1.x/2.x/XL draw 4 channels, SD3 and FLUX.1 16)?"
+            "Is it a VAE for another model family (SD 1.x/2.x/XL draw 4 channels, SD3, FLUX.1 and Z-Image 16, "
+            "FLUX.2 32)?"
         )
     models = nnx.merge(model.graphdef, model.params)  # host arrays stay host arrays
     models.vae = nnx.merge(vae.graphdef, vae.params)

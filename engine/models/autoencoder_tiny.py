@@ -1,9 +1,15 @@
 """The tiny autoencoder TAESD, mirroring diffusers' `AutoencoderTiny` (`EncoderTiny`, `DecoderTiny`).
 
-Plain 3x3 convolutions and `AutoencoderTinyBlock` residuals, no norms, no attention; each side's layers
+Plain 3x3 convolutions and `AutoencoderTinyBlock` residuals, no attention (no norms but TAEF2's); each side's layers
 are one list (`encoder.layers.N`, `decoder.layers.N`, as diffusers' `nn.Sequential`), parameterless
 entries (activations, upsamplings) holding their places so the indices match the checkpoint's.
 Same contract as `AutoencoderKL`: images NHWC in [-1, 1], latents NHWC, unscaled by `scaling_factor`.
+
+TAEF2 (FLUX.2's, madebyollin/taesd's taesd.py `use_midblock_gn`, which diffusers' `AutoencoderTiny` cannot
+express) adds one branch to each block at the latents' resolution (the encoder's last stage, the decoder's
+first): `x + pool(x)` before the block, `pool` a 1x1 conv to 4x the width, GroupNorm of 4 groups, ReLU, a 1x1
+conv back, both convs without bias (keys `pool.0`, `pool.1`, `pool.3`). The group norm's statistics span the
+whole picture, which TAEF2 needed to match FLUX.2's VAE; our config's `use_midblock_gn` switches it on.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..nn.layers import Conv, _inits, conv
+from ..nn.layers import Conv, _inits, conv, group_norm
 from .config import AutoencoderTinyConfig
 
 ACTIVATIONS = {  # diffusers' `get_activation`, by the names `TINY_VAE_ACTIVATIONS` allows
@@ -56,10 +62,25 @@ class Upsample(nnx.Module):
         return jnp.repeat(jnp.repeat(x, self.factor, axis=1), self.factor, axis=2)
 
 
-class AutoencoderTinyBlock(nnx.Module):
-    """conv-act-conv-act-conv plus the input, then ReLU (whatever `act_fn`); widths in and out are equal."""
+MIDBLOCK_GROUPS = 4  # the TAEF2 branch's GroupNorm: 4 groups over 4x the block's width, torch's eps
+MIDBLOCK_EPS = 1e-5
 
-    def __init__(self, ch: int, act_fn: str, rngs: nnx.Rngs):
+
+def conv1x1(in_ch: int, out_ch: int, rngs: nnx.Rngs) -> Conv:
+    return Conv(in_ch, out_ch, (1, 1), padding="VALID", use_bias=False, rngs=rngs, **_inits("kernel_init"))
+
+
+class AutoencoderTinyBlock(nnx.Module):
+    """conv-act-conv-act-conv plus the input, then ReLU (whatever `act_fn`); widths in and out are equal. With
+    `midblock_gn` (TAEF2), the input is first `x + pool(x)` (the module docstring)."""
+
+    def __init__(self, ch: int, act_fn: str, rngs: nnx.Rngs, midblock_gn: bool = False):
+        if midblock_gn:
+            wide = MIDBLOCK_GROUPS * ch
+            norm = group_norm(wide, MIDBLOCK_GROUPS, MIDBLOCK_EPS, rngs)
+            self.pool = nnx.List([conv1x1(ch, wide, rngs), norm, Activation("relu"), conv1x1(wide, ch, rngs)])
+        else:
+            self.pool = None
         self.conv = nnx.List(
             [
                 conv(ch, ch, 3, rngs),
@@ -71,6 +92,9 @@ class AutoencoderTinyBlock(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.pool is not None:
+            down, norm, _, up = self.pool
+            x = x + up(jax.nn.relu(norm(down(x))))
         h = _run(self.conv[:-1], x)
         return self.conv[-1](h, add=x, relu=True)  # relu(conv(h) + x), in the convolution on the bf16 CPU path
 
@@ -97,9 +121,11 @@ class EncoderTiny(nnx.Module):
     def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs):
         ch, act = cfg.encoder_block_out_channels[0], cfg.act_fn
         layers = []
+        last = len(cfg.num_encoder_blocks) - 1
         for i, count in enumerate(cfg.num_encoder_blocks):
             layers.append(conv(cfg.in_channels, ch, 3, rngs) if i == 0 else conv_no_bias(ch, ch, rngs, stride=2))
-            layers.extend(AutoencoderTinyBlock(ch, act, rngs) for _ in range(count))
+            gn = cfg.use_midblock_gn and i == last  # the stage at the latents' resolution
+            layers.extend(AutoencoderTinyBlock(ch, act, rngs, gn) for _ in range(count))
         layers.append(conv(ch, cfg.latent_channels, 3, rngs))
         self.layers = nnx.List(layers)
 
@@ -114,7 +140,8 @@ class DecoderTiny(nnx.Module):
         ch, act, last = cfg.decoder_block_out_channels[0], cfg.act_fn, len(cfg.num_decoder_blocks) - 1
         layers = [conv(cfg.latent_channels, ch, 3, rngs), Activation(act)]
         for i, count in enumerate(cfg.num_decoder_blocks):
-            layers.extend(AutoencoderTinyBlock(ch, act, rngs) for _ in range(count))
+            gn = cfg.use_midblock_gn and i == 0  # the stage at the latents' resolution
+            layers.extend(AutoencoderTinyBlock(ch, act, rngs, gn) for _ in range(count))
             if i < last:
                 layers += [Upsample(cfg.upsampling_scaling_factor), conv_no_bias(ch, ch, rngs)]
             else:

@@ -228,7 +228,8 @@ TINY_VAE_ACTIVATIONS = ("relu", "silu", "swish", "gelu", "mish")  # diffusers' `
 
 @dataclasses.dataclass(frozen=True)
 class AutoencoderTinyConfig(_FromJson):
-    """`AutoencoderTiny` config (TAESD: madebyollin/taesd, taesdxl, taesd3, taef1 config.json).
+    """`AutoencoderTiny` config (TAESD: madebyollin/taesd, taesdxl, taesd3, taef1 config.json; TAEF2 with
+    `use_midblock_gn`).
 
     Beside `VAEConfig`'s names that the pipeline reads (`scaling_factor`, `shift_factor`, `latent_channels`,
     `block_out_channels`, `force_upcast`), `latents_mean`/`latents_std` are None as diffusers finds them.
@@ -251,6 +252,9 @@ class AutoencoderTinyConfig(_FromJson):
     shift_factor: float = 0.0
     # diffusers writes the decoder's widths here (`register_to_config`) whatever the file said; so do we.
     block_out_channels: tuple[int, ...] | None = None
+    # TAEF2 (FLUX.2): a GroupNorm branch in the blocks at the latents' resolution (taesd.py's `use_midblock_gn`;
+    # `models.autoencoder_tiny`). diffusers' `AutoencoderTiny` has no such switch: a TAEF2 folder names it here.
+    use_midblock_gn: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_out_channels", self.decoder_block_out_channels)
