@@ -436,6 +436,50 @@ def test_an_image_with_a_nan_gets_nan_out_and_the_others_their_attention(kernels
     np.testing.assert_allclose(got[0], np.asarray(onednn.attention(q, k, v), np.float32)[0])
 
 
+@pytest.mark.parametrize(
+    "b, n, m, h, d",
+    [
+        (1, 1024, 1024, 5, 64),  # self-attention (SD 2.1's first level at 256x256)
+        (2, 333, 1027, 3, 40),  # no multiple of the 256-query block, nor of the softmax's 8 or 16 lanes
+        (2, 256, 77, 8, 64),  # cross-attention to the text
+    ],
+)
+def test_f32_attention_in_onednn_equals_the_plain_formulation_to_f32_rounding(b, n, m, h, d):
+    """Any x86-64 CPU: f32 products in oneDNN and the f32 softmax in place (AVX-512, AVX2 or plain C++)."""
+    _built_or_skip()
+    from engine.nn import attention as attn
+
+    r = np.random.RandomState(2)
+    q, k, v = (jnp.asarray(r.randn(b, t, h, d).astype(np.float32) * 2) for t in (n, m, m))
+    got = jax.jit(onednn.attention)(q, k, v)
+    assert got.dtype == jnp.float32 and got.shape == (b, n, h, d)
+    want = attn.softmax_attention(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # exp's polynomial: 3e-6 relative
+
+
+def test_long_f32_self_attention_runs_in_one_onednn_call_where_the_kernels_are_loaded():
+    _built_or_skip()
+    from engine.nn import attention as attn
+
+    assert onednn.loaded()
+    long_q = jax.ShapeDtypeStruct((1, 4096, 5, 64), jnp.float32)
+    assert attn.attention_kind("cpu", long_q, long_q) == "onednn"
+    text = jax.ShapeDtypeStruct((1, 77, 5, 64), jnp.float32)  # 77 keys: XLA's own is faster
+    assert attn.attention_kind("cpu", long_q, text) != "onednn"
+    q = jnp.ones((1, attn.CPU_ONEDNN_F32_KEYS, 2, 8), jnp.float32)
+    assert jax.jit(attn.dot_product_attention).lower(q, q, q).as_text().count(onednn.ATTENTION) == 1
+
+
+def test_an_image_with_a_nan_gets_nan_out_in_f32_attention_too():
+    _built_or_skip()
+    r = np.random.RandomState(1)
+    q, k, v = (jnp.asarray(r.randn(2, 70, 2, 16).astype(np.float32)) for _ in range(3))
+    broken = k.at[1, 3, 0, 0].set(jnp.inf)
+    got = np.asarray(onednn.attention(q, broken, v))
+    assert np.isnan(got[1]).all() and np.isfinite(got[0]).all()
+    np.testing.assert_allclose(got[0], np.asarray(onednn.attention(q, k, v))[0])
+
+
 def test_a_cpu_without_native_bf16_gets_no_kernels_whatever_is_installed(monkeypatch):
     monkeypatch.delenv(onednn.SWITCH, raising=False)
     monkeypatch.setattr(onednn, "native_bf16", lambda: False)

@@ -3,7 +3,7 @@
 The kernels come from `pip install -r requirements.txt` alone: the finder takes this Python's own oneDNN (pip's
 wheels) before the system's (Debian's libdnnl-dev), and DNNL_ROOT before both; each install builds a library of its
 own, named by its version, so that switching installs never loads a library built against another. Under
-ONEDNN_MAX_CPU_ISA=AVX2 the f32 and int8 kernels run in oneDNN's AVX2 class on whatever CPU runs the suite (on an
+ONEDNN_MAX_CPU_ISA=AVX2 the f32 and int8 kernels (and f32 attention's softmax) run in oneDNN's AVX2 class on whatever CPU runs the suite (on an
 AVX-512 machine, the class it would not otherwise use), in a process of its own since oneDNN reads the cap once,
 and equal XLA's f32 to f32 rounding and integer arithmetic exactly, as test_onednn.py and test_int8_compute.py ask of
 the uncapped kernels; what this module takes the CPU to have follows the cap. `bench/picture.py --isa` hands each
@@ -141,7 +141,10 @@ np.savez(
     x=x, conv_kernel=conv.kernel[...], conv_bias=conv.bias[...], conv=conv_program(x),
     tokens=tokens, linear_kernel=linear.kernel[...], linear_bias=linear.bias[...], linear=linear_program(tokens),
     q=q, values=values, int8=jax.jit(lambda q, v: int8.int_conv(q, v, sums, (1, 1)))(q, values),
+    attention_qkv=np.stack([rng.normal(size=(2, 45, 3, 16)).astype(np.float32) * 3 for _ in range(3)]),
 )
+qkv = np.load(sys.argv[1])["attention_qkv"]
+np.savez(sys.argv[1], **np.load(sys.argv[1]), attention=onednn.attention(*(jnp.asarray(a) for a in qkv)))
 """
 
 
@@ -188,6 +191,13 @@ def test_under_the_avx2_cap_the_int8_sums_equal_integer_arithmetic(capped):
     assert capped["int8"].dtype == np.int32
     np.testing.assert_array_equal(capped["int8"], want)
     assert want[0, 0, 0, 0] == 255 * 63 * 9 * 40  # the corner saw only extremes
+
+
+def test_under_the_avx2_cap_f32_attention_and_its_avx2_softmax_equal_the_plain_formulation(capped):
+    from engine.nn.attention import softmax_attention
+
+    want = softmax_attention(*(jnp.asarray(a) for a in capped["attention_qkv"]))  # 45 keys: 5 past the last 8
+    np.testing.assert_allclose(capped["attention"], want, rtol=2e-5, atol=2e-5)
 
 
 def _picture():

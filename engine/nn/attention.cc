@@ -23,12 +23,15 @@ namespace {
 
 using namespace jax_sd;
 
-// softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (bf16), out [B, N, H, D]. Each (image, head)'s
-// k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not once per block of
-// queries); then for each (image, head, block of queries) on a thread of its own: the block's queries copied into
-// contiguous rows, the logits [rows, M] from oneDNN (single-threaded inside the parallel loop), the softmax over them
-// while they are in the cache, the weights as bf16 into the second product, then each row divided by its sum.
-// Nothing the size of all the logits is ever written.
+// softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (all bf16, or all f32), out [B, N, H, D].
+// Each (image, head)'s k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not
+// once per block of queries); then for each (image, head, block of queries) on a thread of its own: the block's
+// queries copied into contiguous rows, the logits [rows, M] from oneDNN (single-threaded inside the parallel loop),
+// the softmax over them while they are in the cache, the weights as bf16 (or in f32, over the logits themselves) into
+// the second product, then each row divided by its sum. Nothing the size of all the logits is ever written. In f32
+// (CPUs without native bf16) this replaces XLA's query blocks, which copy k and v into their layout again for every
+// block and run the softmax in passes of their own: SD 2.1's 4096-token self-attention on a Zen 3 core pair went
+// from XLA's 2.8 s to 1.5 s (cores loaded by other work; nn/attention.py CPU_ONEDNN_F32_KEYS).
 constexpr int64_t kAttentionRows = 256;
 
 struct AttentionPrims {
@@ -40,50 +43,60 @@ std::unordered_map<std::string, std::unique_ptr<AttentionPrims>> attentions;
 
 // The two products for `rows` queries against `m` keys of width `d`, reading k^T and v in the layouts given (those
 // oneDNN picks for a full block: a last, shorter block reads the same reordered copies).
-AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t d, const memory::desc* k_layout,
+// `dt`: q's, k's and v's type (bf16 or f32), which the weights take too.
+AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t d, memory::data_type dt, const memory::desc* k_layout,
                               const memory::desc* v_layout) {
-  return cached(attentions, key_of({rows, m, d, k_layout != nullptr}), [&] {
-    auto bf16 = memory::data_type::bf16, f32 = memory::data_type::f32;
-    memory::desc q({rows, d}, bf16, tag::ab), logits({rows, m}, f32, tag::ab), weights({rows, m}, bf16, tag::ab),
+  return cached(attentions, key_of({rows, m, d, k_layout != nullptr, int64_t(dt)}), [&] {
+    auto f32 = memory::data_type::f32;
+    memory::desc q({rows, d}, dt, tag::ab), logits({rows, m}, f32, tag::ab), weights({rows, m}, dt, tag::ab),
         out({rows, d}, f32, tag::ab);
-    auto logits_pd = matmul_pd(q, k_layout ? *k_layout : memory::desc({d, m}, bf16, tag::any), nullptr, logits);
-    auto out_pd = matmul_pd(weights, v_layout ? *v_layout : memory::desc({m, d}, bf16, tag::any), nullptr, out);
+    auto logits_pd = matmul_pd(q, k_layout ? *k_layout : memory::desc({d, m}, dt, tag::any), nullptr, logits);
+    auto out_pd = matmul_pd(weights, v_layout ? *v_layout : memory::desc({m, d}, dt, tag::any), nullptr, out);
     return new AttentionPrims{logits_pd, out_pd, dnnl::matmul(logits_pd), dnnl::matmul(out_pd)};
   });
 }
 
 thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, keys_buffer;
 
-// Whether a bf16 array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted to
-// carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
-bool non_finite(const uint16_t* a, int64_t count) {
+// Whether a bf16 (or f32) array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted
+// to carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
+bool non_finite(const void* a, int64_t count, bool f32) {
+  if (f32) {
+    uint32_t any = 0;
+    const uint32_t* bits = static_cast<const uint32_t*>(a);
+    for (int64_t i = 0; i < count; ++i) any |= uint32_t((bits[i] & 0x7F800000u) == 0x7F800000u);
+    return any != 0;
+  }
   uint16_t any = 0;
-  for (int64_t i = 0; i < count; ++i) any |= uint16_t((a[i] & 0x7F80) == 0x7F80);
+  for (int64_t i = 0; i < count; ++i) any |= uint16_t((static_cast<const uint16_t*>(a)[i] & 0x7F80) == 0x7F80);
   return any != 0;
 }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                          float scale) {
-  if (q.element_type() != ffi::DataType::BF16 || k.element_type() != ffi::DataType::BF16 ||
-      v.element_type() != ffi::DataType::BF16 ||
+  const auto given = q.element_type();
+  if ((given != ffi::DataType::BF16 && given != ffi::DataType::F32) || k.element_type() != given ||
+      v.element_type() != given ||
       (out->element_type() != ffi::DataType::BF16 && out->element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("onednn_attention takes bf16 q, k and v and gives bf16 or f32");
+    return ffi::Error::InvalidArgument("onednn_attention takes q, k and v all bf16 or all f32 and gives bf16 or f32");
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
     return ffi::Error::InvalidArgument("onednn_attention takes q [B, N, H, D] and k, v [B, M, H, D]");
   const int64_t b = qd[0], n = qd[1], h = qd[2], d = qd[3], m = kd[1];
   const int64_t blocks = (n + kAttentionRows - 1) / kAttentionRows, tasks = b * h * blocks;
-  const bool bf16_out = out->element_type() == ffi::DataType::BF16;
-  auto* qp = static_cast<const uint16_t*>(q.untyped_data());
-  auto* kp = static_cast<const uint16_t*>(k.untyped_data());
-  auto* vp = static_cast<const uint16_t*>(v.untyped_data());
+  const bool bf16_out = out->element_type() == ffi::DataType::BF16, f32 = given == ffi::DataType::F32;
+  const int64_t size = f32 ? 4 : 2;  // bytes of an element of q, k, v and the weights
+  const memory::data_type dt = f32 ? memory::data_type::f32 : memory::data_type::bf16;
+  auto* qp = static_cast<const char*>(q.untyped_data());
+  auto* kp = static_cast<const char*>(k.untyped_data());
+  auto* vp = static_cast<const char*>(v.untyped_data());
   void* op = out->untyped_data();
   std::string error;
   AttentionPrims *full, *tail;
   try {
-    full = attention_for(std::min(n, kAttentionRows), m, d, nullptr, nullptr);
+    full = attention_for(std::min(n, kAttentionRows), m, d, dt, nullptr, nullptr);
     const memory::desc k_layout = full->logits_pd.weights_desc(), v_layout = full->out_pd.weights_desc();
-    tail = n % kAttentionRows ? attention_for(n % kAttentionRows, m, d, &k_layout, &v_layout) : full;
+    tail = n % kAttentionRows ? attention_for(n % kAttentionRows, m, d, dt, &k_layout, &v_layout) : full;
   } catch (const dnnl::error& e) {
     return failed(e.what());
   }
@@ -93,18 +106,17 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   std::vector<char> broken(b);
 #pragma omp parallel for
   for (int64_t image = 0; image < b; ++image)
-    broken[image] = non_finite(qp + image * n * h * d, n * h * d) || non_finite(kp + image * m * h * d, m * h * d) ||
-                    non_finite(vp + image * m * h * d, m * h * d);
+    broken[image] = non_finite(qp + image * n * h * d * size, n * h * d, f32) ||
+                    non_finite(kp + image * m * h * d * size, m * h * d, f32) ||
+                    non_finite(vp + image * m * h * d * size, m * h * d, f32);
 #pragma omp parallel for
   for (int64_t pair = 0; pair < b * h; ++pair) {
-    const int64_t kv_at = ((pair / h) * m * h + pair % h) * d;
+    const int64_t kv_at = ((pair / h) * m * h + pair % h) * d * size;  // bytes
     try {
       dnnl::stream stream(cpu());
-      memory k_given(memory::desc({d, m}, memory::data_type::bf16, memory::dims{1, h * d}), cpu(),
-                     const_cast<uint16_t*>(kp + kv_at)),
+      memory k_given(memory::desc({d, m}, dt, memory::dims{1, h * d}), cpu(), const_cast<char*>(kp + kv_at)),
           k_packed(full->logits_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size)),
-          v_given(memory::desc({m, d}, memory::data_type::bf16, memory::dims{h * d, 1}), cpu(),
-                  const_cast<uint16_t*>(vp + kv_at)),
+          v_given(memory::desc({m, d}, dt, memory::dims{h * d, 1}), cpu(), const_cast<char*>(vp + kv_at)),
           v_packed(full->out_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size) + k_size);
       dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
       dnnl::reorder(v_given, v_packed).execute(stream, v_given, v_packed);
@@ -131,19 +143,20 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     AttentionPrims* prims = rows == std::min(n, kAttentionRows) ? full : tail;
     try {
       dnnl::stream stream(cpu());
-      uint16_t* queries = static_cast<uint16_t*>(queries_buffer.at_least(rows * d * 2));
+      char* queries = static_cast<char*>(queries_buffer.at_least(rows * d * size));
       float* logits = static_cast<float*>(logits_buffer.at_least(rows * m * 4));
-      uint16_t* weights = static_cast<uint16_t*>(weights_buffer.at_least(rows * m * 2));
+      void* weights = f32 ? static_cast<void*>(logits) : weights_buffer.at_least(rows * m * 2);
       float* result = static_cast<float*>(out_buffer.at_least(rows * d * 4));
       const int64_t q_at = ((image * n + row0) * h + head) * d;
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(queries + r * d, qp + q_at + r * h * d, d * 2);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(queries + r * d * size, qp + (q_at + r * h * d) * size, d * size);
       char* kv = packed_kv + (image * h + head) * (k_size + v_size);
       memory qm(prims->logits_pd.src_desc(), cpu(), queries), km(prims->logits_pd.weights_desc(), cpu(), kv),
           lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
       prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
                                      {DNNL_ARG_SCRATCHPAD, s1}});
       std::vector<float> sums(rows);
-      softmax_rows(logits, weights, sums.data(), rows, m, scale);
+      if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
+      else softmax_rows(logits, static_cast<uint16_t*>(weights), sums.data(), rows, m, scale);
       memory wm(prims->out_pd.src_desc(), cpu(), weights), vm(prims->out_pd.weights_desc(), cpu(), kv + k_size),
           om(prims->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(prims->out_pd.scratchpad_desc());
       prims->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},

@@ -14,6 +14,8 @@ logits. Which one runs is `attention_kind`'s choice, a pure function of the back
   one head at a time, both products in oneDNN and the f32 softmax between them (AVX-512 exponentials). SD 2.1's
   4096-token self-attention (5 heads) 127 ms in XLA's bf16 query blocks -> 66 ms with 64-query blocks and
   libm's exp -> 33 ms; SD3's 4429 tokens x 24 heads 4.5x faster than the same blocks with XLA's softmax.
+  In f32 too, for long self-attention where the kernels are loaded anyway (CPU_ONEDNN_F32_KEYS), with AVX2
+  exponentials on CPUs without AVX-512.
 - "plain": two einsums and a softmax; everywhere else.
 
 A key mask ([batch, tokens_k], True where a key may be attended: a batch of texts of unequal lengths, as Z-Image
@@ -36,6 +38,11 @@ FLASH_LANES = 128  # the TPU kernel's kv block must be a multiple of this; wider
 CPU_LOGITS_BYTES = 4 << 20
 CPU_BLOCK_BYTES = 4 << 20
 CPU_BLOCK_ROWS = 128
+# CPU, f32: self-attention over at least this many keys runs in the oneDNN kernel where it is loaded anyway
+# (`onednn.loaded`: bf16 layers, `--quantize w8a8`'s int8 products). SD 2.1's 4096-token self-attention on a
+# Zen 3 core pair (AVX2): XLA's query blocks 2.8 s -> 1.5 s (loaded cores); the 77-token cross-attention is
+# faster in XLA's plain formulation (14 ms against 70: the kernel's per-block work does not pay for 77 keys).
+CPU_ONEDNN_F32_KEYS = 1024
 
 
 def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -138,6 +145,8 @@ def attention_kind(backend: str, q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruc
     if backend == "tpu" and min(n, m) >= FLASH_MIN_TOKENS:
         return "flash"
     if backend == "cpu" and q.dtype == jnp.bfloat16 and onednn.serves(q.dtype):
+        return "onednn"
+    if backend == "cpu" and q.dtype == jnp.float32 and m >= CPU_ONEDNN_F32_KEYS and onednn.loaded():
         return "onednn"
     if backend == "cpu" and 4 * b * h * n * m > CPU_LOGITS_BYTES and query_block(q.shape, m) < n:
         return "blocks"

@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <oneapi/dnnl/dnnl.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -78,6 +80,108 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_row
     }
     sums[r] = _mm512_reduce_add_ps(total16);
   }
+}
+
+void softmax_rows_f32_plain(float* logits, float* sums, int64_t rows, int64_t m, float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * m;
+    float top = row[0];
+    for (int64_t j = 1; j < m; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < m; ++j) total += row[j] = std::exp((row[j] - top) * scale);
+    sums[r] = total;
+  }
+}
+
+// exp2_of's work with AVX2 + FMA, 8 lanes: 2^n built in the exponent bits (n + 127) << 23, as AVX2 has no scalef;
+// n >= -126 keeps that a normal float.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp2_of_avx2(__m256 x, __m256 log2e, __m256 shift) {
+  const __m256 t = _mm256_max_ps(_mm256_fmsub_ps(x, log2e, shift), _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_floor_ps(t), f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.013428175f), f, _mm256_set1_ps(0.052240074f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24128133f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6930447f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// softmax_rows_f32_plain's work with AVX2, 8 logits at a time (the last m % 8 of a row one by one, through the same
+// polynomial), two passes over each row while it is in the cache: its maximum; then the exponentials written over
+// the logits and their sum. For CPUs without AVX-512 (Zen 2/3, Intel Core): XLA's f32 softmax inside its query
+// blocks costs as much as the two products around it.
+__attribute__((target("avx2,fma"))) void softmax_rows_f32_avx2(float* logits, float* sums, int64_t rows, int64_t m,
+                                                                 float scale) {
+  const float log2e_scale = 1.44269504f * scale;
+  const __m256 log2e = _mm256_set1_ps(log2e_scale);
+  const int64_t whole = m / 8 * 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * m;
+    __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < whole; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
+    float top = lanes[0];
+    for (int i = 1; i < 8; ++i) top = std::max(top, lanes[i]);
+    for (int64_t j = whole; j < m; ++j) top = std::max(top, row[j]);
+    const __m256 shift = _mm256_set1_ps(top * log2e_scale);
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 e = exp2_of_avx2(_mm256_loadu_ps(row + j), log2e, shift);
+      total8 = _mm256_add_ps(total8, e);
+      _mm256_storeu_ps(row + j, e);
+    }
+    _mm256_store_ps(lanes, total8);
+    float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (int64_t j = whole; j < m; ++j) {
+      _mm256_store_ps(lanes, exp2_of_avx2(_mm256_set1_ps(row[j]), log2e, shift));
+      total += row[j] = lanes[0];
+    }
+    sums[r] = total;
+  }
+}
+
+// softmax_rows_f32_plain's work with AVX-512, 16 logits at a time, the last few of a row under a mask.
+__attribute__((target("avx512f"))) void softmax_rows_f32_avx512(float* logits, float* sums, int64_t rows, int64_t m,
+                                                                 float scale) {
+  const float log2e_scale = 1.44269504f * scale;
+  const __m512 log2e = _mm512_set1_ps(log2e_scale);
+  const __mmask16 last = __mmask16((1u << (m % 16)) - 1);
+  const int64_t whole = m / 16 * 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * m;
+    __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
+    if (last) top16 = _mm512_mask_max_ps(top16, last, top16, _mm512_maskz_loadu_ps(last, row + whole));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * log2e_scale);
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      const __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
+      total16 = _mm512_add_ps(total16, e);
+      _mm512_storeu_ps(row + j, e);
+    }
+    if (last) {
+      const __m512 e = exp2_of(_mm512_maskz_loadu_ps(last, row + whole), log2e, shift);
+      total16 = _mm512_mask_add_ps(total16, last, total16, e);
+      _mm512_mask_storeu_ps(row + whole, last, e);
+    }
+    sums[r] = _mm512_reduce_add_ps(total16);
+  }
+}
+
+// Whether oneDNN may use all of `isa` here: the CPU has it and ONEDNN_MAX_CPU_ISA lets it (oneDNN's ISA values are
+// cumulative bit masks), so a capped machine measures the class it is capped to in these loops too.
+bool isa_allowed(dnnl::cpu_isa isa) {
+  const auto bits = static_cast<unsigned>(isa);
+  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bits) == bits;
+}
+
+void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float scale) {
+  static const bool avx512 = isa_allowed(dnnl::cpu_isa::avx512_core);
+  static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
+  if (avx512) softmax_rows_f32_avx512(logits, sums, rows, m, scale);
+  else if (avx2) softmax_rows_f32_avx2(logits, sums, rows, m, scale);
+  else softmax_rows_f32_plain(logits, sums, rows, m, scale);
 }
 
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {

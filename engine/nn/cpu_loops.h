@@ -1,4 +1,5 @@
-// The vector loops of our own that the oneDNN handlers share (cpu_loops.cc): bf16 rounding and attention's softmax.
+// The vector loops of our own that the oneDNN handlers share (cpu_loops.cc): bf16 rounding and attention's softmax
+// (bf16 weights, or f32 in place).
 #pragma once
 
 #include <cstdint>
@@ -14,5 +15,8 @@ inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDN
 
 // Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale);
+
+// The same in f32, in place: each row of logits [rows, m] becomes its unnormalised weights exp((x - max) * scale).
+void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float scale);
 
 }  // namespace jax_sd

@@ -330,6 +330,12 @@ def registered() -> bool:
     return True
 
 
+def loaded() -> bool:
+    """Whether the handlers are already loaded and registered in this process, because a network asked for them
+    (bf16 layers, `--quantize w8a8`'s int8 products, JAX_SD_ONEDNN=1); never builds them."""
+    return registered.cache_info().currsize > 0 and registered()
+
+
 @functools.cache
 def available() -> bool:
     """Whether this host wants the oneDNN handlers and has them loaded and registered with XLA's CPU backend."""
@@ -475,10 +481,12 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
-    head and block of 256 queries, the logits from oneDNN, their softmax in f32 (AVX-512 exponentials), the
-    weights in bf16 into oneDNN's second product. q, k and v are cast to bf16; the output is q's dtype."""
+    head and block of 256 queries, the logits from oneDNN, their softmax in f32 (AVX-512 or AVX2 exponentials), the
+    weights in q's precision into oneDNN's second product. f32 q, k and v stay f32; any other dtype is cast to bf16.
+    The output is q's dtype."""
+    given = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(*(a.astype(jnp.bfloat16) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))
+    return call(*(a.astype(given) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))
 
 
 def conv(
