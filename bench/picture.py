@@ -129,6 +129,11 @@ def _cap_settings(isa: str) -> list[str]:
 
 
 def write_models(name: str, folder: Path) -> tuple[Path, Path]:
+    """The model's pipeline folder and its TAESD-shaped tiny VAE's under `folder`, written once (random weights)."""
+    spec = MODELS[name]
+    pipe_dir, tiny_dir = folder / name, folder / f"{name}-taesd"
+    if (pipe_dir / "model_index.json").is_file() and (tiny_dir / "config.json").is_file():
+        return pipe_dir, tiny_dir  # written already: no PyTorch imported (bench/cold_start.py times beside it)
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -140,10 +145,6 @@ def write_models(name: str, folder: Path) -> tuple[Path, Path]:
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    spec = MODELS[name]
-    pipe_dir, tiny_dir = folder / name, folder / f"{name}-taesd"
-    if (pipe_dir / "model_index.json").is_file() and (tiny_dir / "config.json").is_file():
-        return pipe_dir, tiny_dir
     torch.manual_seed(0)
     tokenizer = CLIPTokenizer.from_pretrained(str(ROOT / "engine" / "assets" / "default" / "tokenizer"))
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
