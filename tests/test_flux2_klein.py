@@ -18,6 +18,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from preview_reference import assert_fitted_previews
 from qwen_reference import QWEN3_LAYOUTS, save_tiny_qwen_tokenizer, tiny_qwen3
 from reference import randomize
 from transformers import AutoTokenizer
@@ -98,7 +99,7 @@ def klein(tmp_path_factory):
         folders[kind] = tmp_path_factory.mktemp(kind)
         reference.save_pretrained(folders[kind])
     engines = {
-        "distilled": load_pipeline(folders["distilled"], safety_checker=False, max_batch_size=4),
+        "distilled": load_pipeline(folders["distilled"], safety_checker=False, max_batch_size=4, preview_every_s=0.0),
         # Qwen3 on the host's CPU (its first 27 layers, from the causal LM's checkpoint), its layers sent with each
         # request: the base model's pictures prove that path too
         "base": load_pipeline(folders["base"], safety_checker=False, t5="host"),
@@ -202,3 +203,12 @@ def test_what_klein_does_not_take_is_refused_by_name(klein):
         engines["distilled"].generate(PROMPT, clip_skip=1, height=32, width=32, num_inference_steps=1)
     with pytest.raises(InvalidRequest, match="multiple of 4"):  # 2 pixels per latent, 2x2 latents per token
         engines["distilled"].generate(PROMPT, height=34, width=32, num_inference_steps=1)
+
+
+def test_previews_are_the_fitted_map_of_the_normalised_grid(klein):
+    """The map reads the steps' own latents, the normalised grid of 2x2 patches (16 channels here, the real VAE's 128),
+    fitted to pictures the VAE decodes from it (denormalised, unpatchified): each preview diffusers' step latents
+    through it (tests/preview_reference.py)."""
+    reference, engines, _ = klein
+    reference.register_to_config(is_distilled=True)
+    assert_fitted_previews("klein", reference, engines["distilled"])

@@ -21,6 +21,7 @@ from diffusers import AutoencoderKL, FluxKontextPipeline
 from diffusers import FluxTransformer2DModel as TorchFlux
 from flax import nnx
 from PIL import Image
+from preview_reference import assert_fitted_previews
 from reference import nchw, nhwc, randomize, rel_error
 from test_flux import PROMPT, TRANSFORMER, VAE_LAYOUT, build_reference
 from test_transformer_flux import LAYOUTS, inputs, ours_from_torch
@@ -96,14 +97,14 @@ def test_the_transformer_reads_the_reference_as_kontext_does():
 @pytest.fixture(scope="module")
 def kontext(tmp_path_factory):
     """The pipeline and our engine on its folder: test_flux's dev model with one block of each kind and the VAE of
-    factor 32. The engine draws one picture at a time (no idle lanes to run) and fits no live previews."""
+    factor 32. The engine draws one picture at a time (no idle lanes to run), a preview after every step."""
     flux = build_reference("dev", tmp_path_factory)
     vae = randomize(AutoencoderKL(**VAE, scaling_factor=0.3611, shift_factor=0.1159), 4, std=0.05)
     transformer = randomize(TorchFlux(**dict(TRANSFORMER, num_single_layers=1), guidance_embeds=True), 3, std=0.05)
     reference = FluxKontextPipeline(**dict(flux.components, vae=vae, transformer=transformer))
     folder = tmp_path_factory.mktemp("kontext")
     reference.save_pretrained(folder)
-    engine = load_pipeline(folder, safety_checker=False, max_batch_size=1, previews=False)
+    engine = load_pipeline(folder, safety_checker=False, max_batch_size=1, preview_every_s=0.0)
     yield reference, engine
     engine.close()
 
@@ -221,3 +222,10 @@ def test_a_request_needs_exactly_one_reference_picture(kontext):
         ours.generate(PROMPT, references=two, height=512, width=512, num_inference_steps=1)
     with pytest.raises(InvalidRequest, match="reference 1 is 10x10; a reference picture needs sides of at least 64"):
         ours.generate(PROMPT, references=(Image.new("RGB", (10, 10)),), num_inference_steps=1)
+
+
+def test_previews_are_the_fitted_map_of_the_steps_latents(kontext):
+    """As FLUX.1's: the reference's tokens change the latents, not how a preview is drawn from them
+    (tests/preview_reference.py)."""
+    reference, ours = kontext
+    assert_fitted_previews("kontext", reference, ours)

@@ -1,11 +1,11 @@
 """Live previews and the tiny VAEs of the 2026 families: FLUX.2 [klein] with TAEF2, Z-Image and FLUX.1 Kontext with
 TAEF1 (FLUX.1's latent space), against diffusers' pipelines on the tiny folders of tests/test_flux2_klein.py,
-tests/test_z_image.py and tests/test_flux_kontext.py.
+tests/test_z_image.py and tests/test_flux_kontext.py (their builders; tests/preview_reference.py runs a request
+through both sides).
 
-- With the model's own VAE, a request's previews are the fitted latent-to-RGB map of each step's latents, the
-  latents diffusers' step callback sees (Klein's: its normalised, 2x2-patched grid of 4 x 4 channels).
-- With a tiny VAE given (`load_pipeline(folder, vae=...)`), the pictures are diffusers' with that VAE swapped in,
-  within 1/255, and the previews are its full-size pictures of each step's latents.
+With a tiny VAE given (`load_pipeline(folder, vae=...)`), the pictures are diffusers' with that VAE swapped in,
+within 1/255, and the previews are its full-size pictures of each step's latents. (With the model's own VAE, the
+previews are the fitted latent-to-RGB map: tested in those three modules, over their engines.)
 
 TAEF2 is taesd.py's FLUX.2 variant (madebyollin/taesd, "Add support for FLUX.2 VAE"): TAESD with a GroupNorm branch
 in each block at the latents' resolution (`use_midblock_gn`), which diffusers' `AutoencoderTiny` cannot express. Its
@@ -27,22 +27,20 @@ from diffusers import AutoencoderKL, AutoencoderTiny, Flux2KleinPipeline, FluxKo
 from diffusers import FluxTransformer2DModel as TorchFlux
 from diffusers.models.unets.unet_2d_blocks import AutoencoderTinyBlock
 from flax import nnx
+from preview_reference import SIZES, STEPS, run_diffusers, run_ours, start
 from reference import nchw, nhwc, randomize, rel_error, state_dict_numpy
 from test_flux import TRANSFORMER as FLUX_TRANSFORMER
 from test_flux import build_reference as build_flux
 from test_flux2_klein import build_reference as build_klein
 from test_flux_kontext import VAE as KONTEXT_VAE
-from test_flux_kontext import picture
 from test_z_image import build_reference as build_zimage
 
-from engine import GenerationRequest, Preview, Progress, load_pipeline
+from engine import load_pipeline
 from engine.loading.weights import convert
 from engine.models import autoencoder_tiny
 from engine.models.config import AutoencoderTinyConfig
-from engine.sampling.preview import DecodedPreview, PreviewMap
+from engine.sampling.preview import DecodedPreview
 
-PROMPT = "a red circle on a blue background"
-STEPS = 3  # previews after steps 1 and 2; the third's is the picture
 TOLERANCE = 1 / 255
 TAEF1_SCALING = dict(scaling_factor=0.3611, shift_factor=0.1159)  # madebyollin/taef1's config.json
 
@@ -183,22 +181,12 @@ def kontext_parts(tmp_path_factory):
 
 
 PARTS = {"klein": klein_parts, "zimage": zimage_parts, "kontext": kontext_parts}
-SIZES = {"klein": 32, "zimage": 32, "kontext": 512}  # Kontext's factor-32 VAE: 8 tokens a side at least
-EDITED = picture(64, 64, seed=3)  # Kontext edits one picture, auto-resized as the pipeline does
-# Each family's way: Klein's distilled folder and Z-Image-Turbo unguided (ZImagePipeline's scale g is our g + 1),
-# Kontext (FLUX.1-dev) guided by its embedded scale
-DIFFUSERS_ARGS = {
-    "klein": {},
-    "zimage": {"guidance_scale": 0.0},
-    "kontext": {"guidance_scale": 3.5, "image": EDITED, "max_area": 512 * 512},
-}
-OUR_ARGS = {"klein": {}, "zimage": {"guidance_scale": 1.0}, "kontext": {"guidance_scale": 3.5, "references": (EDITED,)}}
 
 
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
-    """Per family: diffusers' pipeline with its own VAE and with a tiny VAE, and our engine on the folder with
-    each (previews after every step)."""
+    """Per family: diffusers' pipeline with a tiny VAE swapped in, and our engine given that VAE's folder (previews
+    after every step)."""
     cache = {}
 
     def get(name: str):
@@ -206,85 +194,13 @@ def family(request, tmp_path_factory):
             reference, tiny, where = PARTS[name](tmp_path_factory)
             folder = tmp_path_factory.mktemp(name)
             reference.save_pretrained(folder)
-            args = dict(safety_checker=False, preview_every_s=0.0, max_batch_size=1)
-            own = load_pipeline(folder, **args)
-            swapped = load_pipeline(folder, vae=str(where), **args)
-            cache[name] = (reference, own), (tiny, swapped)
+            ours = load_pipeline(folder, vae=str(where), safety_checker=False, preview_every_s=0.0, max_batch_size=1)
+            cache[name] = tiny, ours
         return cache[name]
 
     yield get
-    for pairs in cache.values():
-        for _, engine in pairs:
-            engine.close()
-
-
-def start(name: str, engine) -> np.ndarray:
-    side = SIZES[name] // engine.model.vae_scale_factor
-    shape = (1, engine.model.latent_channels, side, side)
-    return np.random.default_rng(4).standard_normal(shape).astype(np.float32)
-
-
-def pipeline_latents(name: str, start: np.ndarray) -> torch.Tensor:
-    """Our NCHW latents as each pipeline takes them: FLUX.1's packed in 2x2 patches, the others' as they are."""
-    x = torch.from_numpy(start)
-    return FluxKontextPipeline._pack_latents(x, *start.shape) if name == "kontext" else x
-
-
-def step_grid(name: str, pipe, latents: torch.Tensor, side: int) -> torch.Tensor:
-    """A step's latents as the callback sees them -> NCHW on the steps' grid."""
-    if name == "kontext":
-        return pipe._unpack_latents(latents, SIZES[name], SIZES[name], pipe.vae_scale_factor)
-    if name == "klein":
-        return latents.reshape(latents.shape[0], side, side, -1).permute(0, 3, 1, 2)
-    return latents
-
-
-def run_diffusers(name: str, pipe, start: np.ndarray) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
-    """diffusers' picture from our latents, and its latents after each step (1-based), NCHW."""
-    seen = {}
-
-    def callback(p, i, t, values):
-        seen[i + 1] = step_grid(name, p, values["latents"], start.shape[-1]).clone()
-        return {}
-
-    with torch.no_grad():
-        images = pipe(
-            prompt=PROMPT, latents=pipeline_latents(name, start), height=SIZES[name], width=SIZES[name],
-            num_inference_steps=STEPS, output_type="np", callback_on_step_end=callback, **DIFFUSERS_ARGS[name],
-        ).images  # fmt: skip
-    return images, seen
-
-
-def run_ours(name: str, engine, start: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """Our picture and previews, keyed by the step they follow."""
-    request = GenerationRequest(
-        PROMPT, latents=start, height=SIZES[name], width=SIZES[name], num_inference_steps=STEPS, **OUR_ARGS[name]
-    )
-    ticket = engine.submit(request)
-    previews, step = {}, 0
-    for event in ticket.events(timeout=300):
-        if isinstance(event, Progress):
-            step = event.step
-        elif isinstance(event, Preview):
-            previews[step] = event.images[0]
-    return ticket.result(60).arrays, previews
-
-
-@pytest.mark.parametrize("name", ["klein", "zimage", "kontext"])
-def test_previews_with_the_models_own_vae_are_the_fitted_map(name, family):
-    (reference, ours), _ = family(name)
-    preview = ours.preview
-    assert isinstance(preview, PreviewMap) and preview.weight.shape == (ours.model.latent_channels, 3)
-    assert np.isfinite(preview.fit_error) and preview.fit_error < 0.2  # RMS in 0..1: a rough picture, a preview
-    noise = start(name, ours)
-    _, seen = run_diffusers(name, reference, noise)
-    _, previews = run_ours(name, ours, noise)
-    assert sorted(previews) == list(range(1, STEPS))
-    side = noise.shape[-1]
-    for i, got in previews.items():
-        assert got.shape == (side, side, 3) and got.dtype == np.uint8  # one pixel per latent of the steps
-        want = preview(seen[i][0].numpy().transpose(1, 2, 0)).astype(np.int16)
-        assert np.abs(got.astype(np.int16) - want).max() <= 1, f"step {i}"
+    for _, engine in cache.values():
+        engine.close()
 
 
 def tiny_decode(name: str, pipe, latents: torch.Tensor) -> np.ndarray:
@@ -303,7 +219,7 @@ def tiny_decode(name: str, pipe, latents: torch.Tensor) -> np.ndarray:
 def test_a_tiny_vae_draws_the_pictures_and_previews_diffusers_draws_with_it(name, family):
     """TAEF2 for Klein, TAEF1 for Z-Image and Kontext: the picture within 1/255, each preview the tiny VAE's
     full-size picture of that step's latents within a byte."""
-    _, (reference, ours) = family(name)
+    reference, ours = family(name)
     assert ours.model.tiny_vae and isinstance(ours.preview, DecodedPreview)
     assert ours.model.vae_config.use_midblock_gn == (name == "klein")
     noise = start(name, ours)

@@ -28,6 +28,7 @@ from diffusers import (
     ZImageTransformer2DModel,
 )
 from fastapi.testclient import TestClient
+from preview_reference import assert_fitted_previews
 from qwen_reference import QWEN3_LAYOUTS, save_tiny_qwen_tokenizer, tiny_qwen3
 from reference import VAE_LAYOUT, randomize
 from test_image_modes import mask, picture
@@ -78,11 +79,12 @@ def build_reference(tmp_path_factory, scheduler: dict = TURBO_SCHEDULER) -> ZIma
 
 @pytest.fixture(scope="module")
 def zimage(tmp_path_factory):
-    """diffusers' pipeline, our engine on the folder it writes (two slots), and the folder."""
+    """diffusers' pipeline, our engine on the folder it writes (two slots, a preview after every step), and the
+    folder."""
     reference = build_reference(tmp_path_factory)
     folder = tmp_path_factory.mktemp("z-image")  # no "turbo" in the name: the scheduler tells
     reference.save_pretrained(folder)
-    engine = load_pipeline(folder, safety_checker=False, max_batch_size=2)
+    engine = load_pipeline(folder, safety_checker=False, max_batch_size=2, preview_every_s=0.0)
     yield reference, engine, folder
     engine.close()
 
@@ -263,3 +265,9 @@ def test_the_doors_draw_the_engines_pictures(zimage):
         assert answer.status_code == 200, answer.text
         want = drawn(seed=7, num_inference_steps=2)
         assert max_pixel_difference(decode_png(answer.json()["data"][0]["b64_json"]), want) == 0
+
+
+def test_previews_are_the_fitted_map_of_the_steps_latents(zimage):
+    """With FLUX.1's VAE, as FLUX.1's previews (tests/preview_reference.py)."""
+    reference, ours, _ = zimage
+    assert_fitted_previews("zimage", reference, ours)
