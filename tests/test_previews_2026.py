@@ -36,6 +36,7 @@ from test_flux_kontext import VAE as KONTEXT_VAE
 from test_z_image import build_reference as build_zimage
 
 from engine import load_pipeline
+from engine.errors import SourceError
 from engine.loading.weights import convert
 from engine.models import autoencoder_tiny
 from engine.models.config import AutoencoderTinyConfig
@@ -195,11 +196,11 @@ def family(request, tmp_path_factory):
             folder = tmp_path_factory.mktemp(name)
             reference.save_pretrained(folder)
             ours = load_pipeline(folder, vae=str(where), safety_checker=False, preview_every_s=0.0, max_batch_size=1)
-            cache[name] = tiny, ours
+            cache[name] = tiny, ours, folder
         return cache[name]
 
     yield get
-    for _, engine in cache.values():
+    for _, engine, _ in cache.values():
         engine.close()
 
 
@@ -219,7 +220,7 @@ def tiny_decode(name: str, pipe, latents: torch.Tensor) -> np.ndarray:
 def test_a_tiny_vae_draws_the_pictures_and_previews_diffusers_draws_with_it(name, family):
     """TAEF2 for Klein, TAEF1 for Z-Image and Kontext: the picture within 1/255, each preview the tiny VAE's
     full-size picture of that step's latents within a byte."""
-    reference, ours = family(name)
+    reference, ours, _ = family(name)
     assert ours.model.tiny_vae and isinstance(ours.preview, DecodedPreview)
     assert ours.model.vae_config.use_midblock_gn == (name == "klein")
     noise = start(name, ours)
@@ -232,3 +233,11 @@ def test_a_tiny_vae_draws_the_pictures_and_previews_diffusers_draws_with_it(name
     for i, preview in previews.items():
         assert preview.shape == (SIZES[name], SIZES[name], 3) and preview.dtype == np.uint8  # full size
         assert np.abs(preview.astype(np.float32) - tiny_decode(name, reference, seen[i])).max() <= 1, f"step {i}"
+
+
+def test_a_taef1_for_klein_is_refused_by_name(family, tmp_path):
+    """A tiny VAE of FLUX.1's 16 channels does not draw Klein's latents (its VAE's 4 here, 32 at full size)."""
+    *_, folder = family("klein")
+    AutoencoderTiny(**TINY, latent_channels=16, **TAEF1_SCALING).save_pretrained(tmp_path)
+    with pytest.raises(SourceError, match="its latent_channels is 16, the model's UNet draws 4.*FLUX.2 32"):
+        load_pipeline(folder, vae=str(tmp_path), safety_checker=False)
