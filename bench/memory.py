@@ -211,16 +211,17 @@ def measured(folder: Path, quantize: str | None, size: int, steps: int) -> dict:
     started = time.perf_counter()
     pipe = engine.load_pipeline(folder, None, quantize=quantize, safety_checker=False)
     loaded = time.perf_counter()
-    after_load = memory_now()
+    after_load = {"dtype": pipe.dtype, "load_s": round(loaded - started, 1), "after_load": memory_now()}
+    print(json.dumps(after_load), flush=True)  # kept should the picture not finish
+    if steps == 0:  # the load alone
+        return after_load
     result = pipe.generate("a photo of a cat", height=size, width=size, num_inference_steps=steps, seed=0)
     drawn = time.perf_counter()
     return {
-        "dtype": pipe.dtype,
+        **after_load,
         "devices": [str(d) for d in pipe.devices],
-        "load_s": round(loaded - started, 1),
         "picture_s": round(drawn - loaded, 1),
         "timings": {k: round(v, 1) for k, v in result.timings.items()},
-        "after_load": after_load,
         "after_picture": memory_now(),
         "picture_std": round(float(np.asarray(result.images[0], np.float32).std()), 2),
         "modules": sorted(m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("torch", "diffusers")),
@@ -248,7 +249,11 @@ def measure(folder: Path, quantize: str | None, size: int, steps: int, floor_gb:
             stopped = True
         time.sleep(0.5)
     out = child.stdout.read().strip().splitlines()
-    report = json.loads(out[-1]) if out and out[-1].startswith("{") else {"error": f"exit status {child.returncode}"}
+    report = {}
+    for line in out:  # the load's line, then the whole report
+        report.update(json.loads(line) if line.startswith("{") else {})
+    if child.returncode:
+        report["error"] = f"exit status {child.returncode}"
     if stopped:
         report["error"] = f"stopped: the machine's available memory fell under {floor_gb} GB"
     name = json.loads((folder / "model_index.json").read_text())["_class_name"]
@@ -281,7 +286,7 @@ def main() -> None:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quantize", choices=("int8", "w8a8"), default=None)
     parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1, help="0: the load alone, no picture")
     parser.add_argument(
         "--floor-gb", type=float, default=0.5, help="stop the measured process under this much available memory"
     )
