@@ -36,14 +36,16 @@ class HostEncoder:
         where: str,
         call: Callable[..., jax.Array] | None = None,
         int8: bool = False,
+        keep: tuple[str, ...] = (),
     ):
         # int8: the large linear kernels kept as int8, quantized as they are read (`quantize.streaming_int8`)
         graphdef, params = convert(module, tensors, dtype, where=where, int8=streaming_int8(None) if int8 else None)
         self.cpu = jax.devices("cpu")[0]
         self.params = jax.device_put(params, self.cpu)
         call = call or (lambda model, ids: model(ids))
-        # int8 kernels (`quantize`) widened inside the program; a tree without them runs as it is
-        self._run = jax.jit(lambda p, *inputs: call(nnx.merge(graphdef, dequantize(p)), *inputs))
+        # int8 kernels (`quantize`) widened inside the program, but those under `keep`, which the module widens
+        # itself a layer at a time (Qwen3's `layers`); a tree without them runs as it is
+        self._run = jax.jit(lambda p, *inputs: call(nnx.merge(graphdef, dequantize(p, keep=keep)), *inputs))
         self.lock = threading.Lock()  # one prompt at a time: the CPU is shared with whoever submits
 
     def __call__(self, ids: np.ndarray, *inputs: np.ndarray) -> np.ndarray:
@@ -87,4 +89,5 @@ def host_qwen3(
         f"{where} {component}",
         call=lambda model, ids, mask: prompt_embeds(config, model(ids, mask), hidden_layers),
         int8=int8,
+        keep=("layers",),  # widened by the model, one layer after another (`nn.int8_weights.widened`)
     )

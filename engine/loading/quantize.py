@@ -11,7 +11,11 @@ The loader quantizes each such kernel as it reads its tensor (`streaming_int8`),
 
 The quantized tree is data like any other param tree: it is put on the devices as int8 and handed to the jitted
 programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
-where XLA can fuse the convert and the scale into the matmul that reads it.
+where XLA can fuse the convert and the scale into the matmul that reads it. `Int8Kernel` and `dequantize` live in
+engine/nn/int8_weights.py, beside `widened`, so that a network can widen its own: the Qwen3 text encoder's are left
+int8 by the programs (`dequantize(keep=widened_by_layer(...))`) and widened one layer at a time, once that layer's
+input exists, as the denoiser's are once per step (`dequantize(after=)`): widened all at once, Qwen3-4B's 36 layers
+took 12.7 GB of XLA's temporaries at 512 tokens.
 
 `quantize_params(mode="w8a8")` quantizes for compute instead: the denoiser's linear and convolution kernels become
 `nn.int8.QuantizedKernel`s (7-bit values per output channel), which the layers keep and multiply in int8 with
@@ -23,7 +27,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,6 +37,8 @@ from flax import nnx
 from ..errors import ConfigError
 from ..models.qwen3 import Qwen3Config
 from ..nn import int8
+from ..nn.int8_weights import Int8Kernel, dequantize  # noqa: F401 (dequantize: the programs import it from here)
+from ..nn.int8_weights import is_int8 as _is_int8
 
 MODES = ("int8", "w8a8")  # what `load_pipeline(quantize=...)` takes, besides None
 # w8a8 leaves a network's first and last convolutions in float: they carry its input and output at full precision
@@ -50,25 +55,6 @@ THREADS = 8  # numpy frees the GIL in its loops: a few kernels at once
 # Text encoders whose kernels `--quantize int8` takes beside the denoiser's, by their config's class: decoder LMs of
 # billions of weights (Qwen3-4B and -8B: 8 and 16 GB of bf16), all in linear layers. CLIP and T5 stay as loaded.
 INT8_TEXT_ENCODERS = (Qwen3Config,)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Int8Kernel:
-    """A linear kernel as int8 values and one scale per output channel: `values * scale` ~ the kernel. Or one scale
-    per block of consecutive inputs of each output channel (a 2-D `scale`): a GGUF file's Q8_0 (blocks of 32), taken
-    over exactly (`loading.gguf_file.Q8Tensor.kernel`)."""
-
-    values: Any  # int8 [in, out]
-    # [out], or [in / block, out]; in the kernel's own dtype (f32 on a CPU, bf16 on accelerators): what dequantize gives
-    scale: Any
-
-    def dequantize(self) -> jax.Array:
-        if self.scale.ndim == 2:  # [blocks, block, out] * [blocks, 1, out]
-            rows, out = self.values.shape
-            blocks = self.values.reshape(self.scale.shape[0], -1, out).astype(self.scale.dtype)
-            return (blocks * self.scale[:, None, :]).reshape(rows, out)
-        return self.values.astype(self.scale.dtype) * self.scale  # [in, out] * [out]: per output channel
 
 
 def quantize_kernel(kernel: Any) -> Int8Kernel:
@@ -94,6 +80,13 @@ def quantize_kernel(kernel: Any) -> Int8Kernel:
     np.divide(w, np.where(divisor == 0, 1.0, divisor), out=w)
     np.rint(w, out=w)
     return Int8Kernel(np.clip(w, -127, 127, out=w).astype(np.int8), stored)
+
+
+def widened_by_layer(configs: Mapping[str, type]) -> tuple[str, ...]:
+    """The components of a family whose components' config classes are `configs` that widen their own int8 kernels
+    a layer at a time (`nn.int8_weights.widened`): the decoder-LM text encoders (`INT8_TEXT_ENCODERS`). What the
+    programs' `dequantize(keep=)` leaves int8."""
+    return tuple(name for name, cls in configs.items() if issubclass(cls, INT8_TEXT_ENCODERS))
 
 
 def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tuple[str, ...]:
@@ -216,32 +209,6 @@ def quantize_tiny_decoder(params: nnx.State) -> nnx.State:
             for path, var in flat
         ]
     )
-
-
-def _is_int8(x: Any) -> bool:
-    return isinstance(x, Int8Kernel)
-
-
-def dequantize(params: Any, after: jax.Array | None = None) -> Any:
-    """Every `Int8Kernel` of a param tree as a kernel in its scale's dtype (traceable); a tree without one as it is.
-
-    `after`: an array that changes each turn of a loop (its carry), when this runs inside the loop's body. The int8
-    values then pass an optimization barrier beside it, so XLA sees them as of this turn and widens them inside it,
-    where each convert can join the matmul that reads it. Otherwise its loop-invariant code motion widens every kernel
-    once before the loop and holds the whole denoiser at full width for the loop's length: more memory than not
-    quantizing at all (the loop then carries f32/bf16 kernels; with the barrier it carries the int8 values).
-    """
-    leaves, tree = jax.tree.flatten(params, is_leaf=_is_int8)
-    where = [i for i, leaf in enumerate(leaves) if _is_int8(leaf)]
-    if not where:
-        return params
-    if after is not None:
-        values, _ = jax.lax.optimization_barrier(([leaves[i].values for i in where], after))
-        for i, v in zip(where, values, strict=True):
-            leaves[i] = Int8Kernel(v, leaves[i].scale)
-    for i in where:
-        leaves[i] = leaves[i].dequantize()
-    return jax.tree.unflatten(tree, leaves)
 
 
 def is_quantized(params: Any) -> bool:

@@ -28,6 +28,7 @@ from flax import nnx
 
 from ..errors import WeightsError
 from ..nn.dit import RMSNorm
+from ..nn.int8_weights import widened
 from ..nn.layers import embed, linear
 from .config import _FromJson, _require
 
@@ -213,7 +214,9 @@ class Qwen3Model(nnx.Module):
         allowed = causal_padding_mask(attention_mask)
         states = [x]
         for layer in self.layers:
-            x = layer(x, cos, sin, allowed)
+            # int8 kernels (`--quantize int8`, left so by the programs) widened only once this layer's input exists,
+            # so about one layer is wide at a time, not all of them (`nn.int8_weights.widened`); f32 as it is
+            x = widened(layer, x)(x, cos, sin, allowed)
             states.append(x)
         if self.norm is not None:
             states[-1] = self.norm(x)
