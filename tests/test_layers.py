@@ -103,11 +103,23 @@ def test_a_token_count_without_a_near_divisor_gets_whole_padded_blocks_not_singl
         ("cpu", (2, 256, 8, 80), (2, 77, 8, 80), jnp.float32, "plain"),
     ],
 )
-def test_attention_kind_by_backend_and_shape(backend, q, k, dtype, kind):
+def test_attention_kind_by_backend_and_shape(monkeypatch, backend, q, k, dtype, kind):
+    monkeypatch.setattr(attn.onednn, "loaded", lambda: False)  # XLA's own choices: the oneDNN kernels not loaded
     assert attn.attention_kind(backend, jax.ShapeDtypeStruct(q, dtype), jax.ShapeDtypeStruct(k, dtype)) == kind
 
 
-def test_dot_product_attention_on_the_cpu_takes_blocks_and_agrees():
+@pytest.mark.parametrize("loaded", [True, False])
+def test_long_f32_self_attention_on_the_cpu_goes_to_onednn_only_where_its_kernels_are_loaded(monkeypatch, loaded):
+    monkeypatch.setattr(attn.onednn, "loaded", lambda: loaded)
+    long = jax.ShapeDtypeStruct((2, attn.CPU_ONEDNN_F32_KEYS, 8, 8), jnp.float32)
+    text = jax.ShapeDtypeStruct((2, 77, 8, 8), jnp.float32)
+    assert attn.attention_kind("cpu", long, long) == ("onednn" if loaded else "blocks")
+    assert attn.attention_kind("cpu", long, text) != "onednn"  # 77 keys: XLA's own is faster
+    assert attn.attention_kind("gpu", long, long) == "plain"
+
+
+def test_dot_product_attention_on_the_cpu_takes_blocks_and_agrees(monkeypatch):
+    monkeypatch.setattr(attn.onednn, "loaded", lambda: False)  # XLA's query blocks, not the oneDNN kernel
     q, k, v = qkv(2, 1024, 1024, 8, 8)
     assert attn.attention_kind("cpu", q, k) == "blocks"
     np.testing.assert_allclose(
