@@ -15,7 +15,7 @@ logits. Which one runs is `attention_kind`'s choice, a pure function of the back
   4096-token self-attention (5 heads) 127 ms in XLA's bf16 query blocks -> 66 ms with 64-query blocks and
   libm's exp -> 33 ms; SD3's 4429 tokens x 24 heads 4.5x faster than the same blocks with XLA's softmax.
   In f32 too, for long self-attention where the kernels are loaded anyway (CPU_ONEDNN_F32_KEYS), with AVX2
-  exponentials on CPUs without AVX-512.
+  exponentials.
 - "plain": two einsums and a softmax; everywhere else.
 
 A key mask ([batch, tokens_k], True where a key may be attended: a batch of texts of unequal lengths, as Z-Image

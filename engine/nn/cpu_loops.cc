@@ -141,34 +141,6 @@ __attribute__((target("avx2,fma"))) void softmax_rows_f32_avx2(float* logits, fl
   }
 }
 
-// softmax_rows_f32_plain's work with AVX-512, 16 logits at a time, the last few of a row under a mask.
-__attribute__((target("avx512f"))) void softmax_rows_f32_avx512(float* logits, float* sums, int64_t rows, int64_t m,
-                                                                 float scale) {
-  const float log2e_scale = 1.44269504f * scale;
-  const __m512 log2e = _mm512_set1_ps(log2e_scale);
-  const __mmask16 last = __mmask16((1u << (m % 16)) - 1);
-  const int64_t whole = m / 16 * 16;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = logits + r * m;
-    __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
-    if (last) top16 = _mm512_mask_max_ps(top16, last, top16, _mm512_maskz_loadu_ps(last, row + whole));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * log2e_scale);
-    __m512 total16 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < whole; j += 16) {
-      const __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
-      total16 = _mm512_add_ps(total16, e);
-      _mm512_storeu_ps(row + j, e);
-    }
-    if (last) {
-      const __m512 e = exp2_of(_mm512_maskz_loadu_ps(last, row + whole), log2e, shift);
-      total16 = _mm512_mask_add_ps(total16, last, total16, e);
-      _mm512_mask_storeu_ps(row + whole, last, e);
-    }
-    sums[r] = _mm512_reduce_add_ps(total16);
-  }
-}
-
 // Whether oneDNN may use all of `isa` here: the CPU has it and ONEDNN_MAX_CPU_ISA lets it (oneDNN's ISA values are
 // cumulative bit masks), so a capped machine measures the class it is capped to in these loops too.
 bool isa_allowed(dnnl::cpu_isa isa) {
@@ -176,11 +148,11 @@ bool isa_allowed(dnnl::cpu_isa isa) {
   return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bits) == bits;
 }
 
+// The AVX2 loop on AVX-512 CPUs too: f32 attention is the path of CPUs without native bf16, and an AVX-512 one with
+// bf16 runs its attention in bf16 (softmax_rows_avx512).
 void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float scale) {
-  static const bool avx512 = isa_allowed(dnnl::cpu_isa::avx512_core);
   static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
-  if (avx512) softmax_rows_f32_avx512(logits, sums, rows, m, scale);
-  else if (avx2) softmax_rows_f32_avx2(logits, sums, rows, m, scale);
+  if (avx2) softmax_rows_f32_avx2(logits, sums, rows, m, scale);
   else softmax_rows_f32_plain(logits, sums, rows, m, scale);
 }
 
