@@ -93,8 +93,7 @@ class AutoencoderTinyBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.pool is not None:
-            down, norm, _, up = self.pool
-            x = x + up(jax.nn.relu(norm(down(x))))
+            x = x + _run(self.pool, x)
         h = _run(self.conv[:-1], x)
         return self.conv[-1](h, add=x, relu=True)  # relu(conv(h) + x), in the convolution on the bf16 CPU path
 

@@ -47,9 +47,9 @@ def dequantize(params: Any, after: jax.Array | None = None, keep: tuple[str, ...
 
     `after`: an array that changes each turn of a loop (its carry), when this runs inside the loop's body. The int8
     values then pass an optimization barrier beside it, so XLA sees them as of this turn and widens them inside it,
-    where each convert can join the matmul that reads it. Otherwise its loop-invariant code motion widens every kernel once before the loop and holds the whole
-    denoiser at full width for the loop's length: more memory than not quantizing at all (the loop then carries
-    f32/bf16 kernels; with the barrier it carries the int8 values).
+    where each convert can join the matmul that reads it. Otherwise its loop-invariant code motion widens every
+    kernel once before the loop and holds the whole denoiser at full width for the loop's length: more memory than
+    not quantizing at all (the loop then carries f32/bf16 kernels; with the barrier it carries the int8 values).
 
     `keep`: top-level keys of the tree (components of a `Models` tree) whose kernels stay int8, for networks that
     widen their own a layer at a time (`widened`: the Qwen3 text encoder's).
@@ -86,10 +86,9 @@ def widened(layer: nnx.Module, x: jax.Array) -> nnx.Module:
     compiler removes barriers before it orders the program, and then widened every layer's kernels first (12 layers
     wide at once in tests/test_qwen3_int8_memory.py). A data edge stays: `after_input`, in the widening's fusion."""
     graphdef, state = nnx.split(layer)
-    leaves, tree = jax.tree.flatten(state, is_leaf=is_int8)
-    where = [i for i, leaf in enumerate(leaves) if is_int8(leaf)]
-    if not where:
+    if not any(is_int8(leaf) for leaf in jax.tree.leaves(state, is_leaf=is_int8)):
         return layer
-    for i in where:
-        leaves[i] = Int8Kernel(after_input(leaves[i].values, x), leaves[i].scale).dequantize()
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+    tied = jax.tree.map(
+        lambda k: Int8Kernel(after_input(k.values, x), k.scale) if is_int8(k) else k, state, is_leaf=is_int8
+    )
+    return nnx.merge(graphdef, dequantize(tied))
