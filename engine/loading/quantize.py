@@ -14,8 +14,10 @@ programs, which call `dequantize` just before `nnx.merge`, so the widened kernel
 where XLA can fuse the convert and the scale into the matmul that reads it. `Int8Kernel` and `dequantize` live in
 engine/nn/int8_weights.py, beside `widened`, so that a network can widen its own: the Qwen3 text encoder's are left
 int8 by the programs (`dequantize(keep=widened_by_layer(...))`) and widened one layer at a time, once that layer's
-input exists, as the denoiser's are once per step (`dequantize(after=)`): widened all at once, Qwen3-4B's 36 layers
-took 12.7 GB of XLA's temporaries at 512 tokens.
+input exists, and so are a DiT denoiser's blocks' (the lists its class names in `WIDENED_BLOCKS`), one block at a
+time inside each step (`dequantize(after=)`: each step widens its own, not the loop once before it). Widened all at
+once, Qwen3-4B's 36 layers took 12.7 GB of XLA's temporaries at 512 tokens, and Z-Image's 6B transformer would hold
+24 GB of f32 kernels in each step.
 
 `quantize_params(mode="w8a8")` quantizes for compute instead: the denoiser's linear and convolution kernels become
 `nn.int8.QuantizedKernel`s (7-bit values per output channel), which the layers keep and multiply in int8 with

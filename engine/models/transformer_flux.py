@@ -35,6 +35,7 @@ from ..nn.dit import (
     RMSNorm,
     modulate,
 )
+from ..nn.int8_weights import widened
 from ..nn.layers import linear
 from .config import _FromJson, _require
 
@@ -267,6 +268,11 @@ class FluxSingleTransformerBlock(nnx.Module):
 class FluxTransformer2DModel(nnx.Module):
     """`x_embedder` and `context_embedder` in, double- then single-stream blocks, `norm_out` and `proj_out` out."""
 
+    # `--quantize int8`: the programs leave these lists' kernels int8 and each block's are widened only once its input
+    # exists (`nn.int8_weights.widened`), so about one block is wide at a time, not the whole network; a float block
+    # runs as it is
+    WIDENED_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+
     def __init__(self, config: FluxTransformerConfig, rngs: nnx.Rngs):
         cfg = self.config = config
         dim, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
@@ -343,11 +349,11 @@ class FluxTransformer2DModel(nnx.Module):
         image = self.x_embedder(tokens)  # [batch, image tokens, inner]
         context = context.astype(dtype)
         for block in self.transformer_blocks:
-            image, context = block(image, context, temb, rope)
+            image, context = widened(block, image)(image, context, temb, rope)
         # diffusers joins and splits the sequence around every single block; once around them all is the same.
         joined = jnp.concatenate([context, image], axis=1)  # [batch, text + image tokens, inner]
         for block in self.single_transformer_blocks:
-            joined = block(joined, temb, rope)
+            joined = widened(block, joined)(joined, temb, rope)
         scale, shift = self.norm_out(temb)
         latents = joined[:, text : text + latent_tokens]  # Kontext's `noise_pred[:, : latents.size(1)]`
         out = self.proj_out(modulate(latents, shift, scale))  # [batch, h/2 * w/2, out_channels]

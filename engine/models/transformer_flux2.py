@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from ..nn.dit import AdaLayerNorm, RMSNorm, modulate
+from ..nn.int8_weights import widened
 from ..nn.layers import TimestepEmbedding, linear, timestep_embedding
 from .config import _FromJson, _require
 from .transformer_flux import TIME_FACTOR, FluxAttention, Rope, double_stream, rope_attention, rope_tables
@@ -190,6 +191,11 @@ class Flux2SingleTransformerBlock(nnx.Module):
 class Flux2Transformer2DModel(nnx.Module):
     """Embedders and shared modulations in, double- then single-stream blocks, `norm_out` and `proj_out` out."""
 
+    # `--quantize int8`: the programs leave these lists' kernels int8 and each block's are widened only once its input
+    # exists (`nn.int8_weights.widened`), so about one block is wide at a time, not the whole network; a float block
+    # runs as it is
+    WIDENED_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+
     def __init__(self, config: Flux2TransformerConfig, rngs: nnx.Rngs):
         cfg = self.config = config
         dim, heads, head_dim, mlp, eps = (
@@ -269,10 +275,10 @@ class Flux2Transformer2DModel(nnx.Module):
         image = self.x_embedder(tokens)  # [batch, latent + reference tokens, inner]
         context = context.astype(dtype)
         for block in self.transformer_blocks:
-            image, context = block(image, context, image_mod, text_mod, rope)
+            image, context = widened(block, image)(image, context, image_mod, text_mod, rope)
         joined = jnp.concatenate([context, image], axis=1)  # [batch, text + image tokens, inner]
         for block in self.single_transformer_blocks:
-            joined = block(joined, single_mod, rope)
+            joined = widened(block, joined)(joined, single_mod, rope)
         scale, shift = self.norm_out(temb)
         latent = joined[:, text : text + rows * cols]  # the pipeline keeps the latent's tokens only
         out = self.proj_out(modulate(latent, shift, scale, cfg.eps))  # [batch, rows * cols, out_channels]

@@ -31,6 +31,7 @@ from ..nn.dit import (
     computed_param,
     modulate,
 )
+from ..nn.int8_weights import widened
 from ..nn.layers import conv, dot_product_attention, linear
 from .config import _FromJson, _require
 
@@ -232,6 +233,11 @@ class JointTransformerBlock(nnx.Module):
 
 
 class SD3Transformer2DModel(nnx.Module):
+    # `--quantize int8`: the programs leave these lists' kernels int8 and each block's are widened only once its input
+    # exists (`nn.int8_weights.widened`), so about one block is wide at a time, not the whole network; a float block
+    # runs as it is
+    WIDENED_BLOCKS = ("transformer_blocks",)
+
     def __init__(self, config: SD3TransformerConfig, rngs: nnx.Rngs):
         cfg = self.config = config
         dim = cfg.inner_dim
@@ -271,7 +277,7 @@ class SD3Transformer2DModel(nnx.Module):
         image = self.pos_embed(x.astype(dtype))  # [batch, h/p * w/p, dim]
         context = context.astype(dtype)
         for block in self.transformer_blocks:
-            image, context = block(image, context, temb)
+            image, context = widened(block, image)(image, context, temb)
         scale, shift = self.norm_out(temb)
         out = self.proj_out(modulate(image, shift, scale))  # [batch, h/p * w/p, p * p * out], features (p, q, c)
         out = out.reshape(b, h // p, w // p, p, p, cfg.output_channels).transpose(0, 1, 3, 2, 4, 5)

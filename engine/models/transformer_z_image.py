@@ -36,6 +36,7 @@ from flax import nnx
 
 from ..nn.attention import dot_product_attention
 from ..nn.dit import RMSNorm, computed_param, plain_layer_norm
+from ..nn.int8_weights import widened
 from ..nn.layers import Identity, linear
 from .config import _FromJson, _require
 from .transformer_flux import apply_rope
@@ -283,6 +284,11 @@ class TimestepEmbedder(nnx.Module):
 class ZImageTransformer2DModel(nnx.Module):
     """Patch and caption embedders, the two refiners, the joint blocks and the final layer, at diffusers' keys."""
 
+    # `--quantize int8`: the programs leave these lists' kernels int8 and each block's are widened only once its input
+    # exists (`nn.int8_weights.widened`), so about one block is wide at a time, not the whole network; a float block
+    # runs as it is
+    WIDENED_BLOCKS = ("noise_refiner", "context_refiner", "layers")
+
     def __init__(self, config: ZImageTransformerConfig, rngs: nnx.Rngs):
         cfg = self.config = config
         key, dim = cfg.embedder_key, cfg.dim
@@ -325,7 +331,7 @@ class ZImageTransformer2DModel(nnx.Module):
         key_mask = j[None, :] < padded(lengths)[:, None]
         angles = rope(self.config, caption_ids(text_tokens, b))
         for block in self.context_refiner:
-            feats = block(feats, angles, key_mask)
+            feats = widened(block, feats)(feats, angles, key_mask)
         return feats
 
     def __call__(self, x: jax.Array, timestep: jax.Array, context: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -358,13 +364,13 @@ class ZImageTransformer2DModel(nnx.Module):
         image = jnp.concatenate([image, pad], axis=1)  # [batch, padded(n), dim]: every token attended
         image_angles = rope(cfg, image_ids(lengths, rows, cols))
         for block in self.noise_refiner:
-            image = block(image, image_angles, None, temb)
+            image = widened(block, image)(image, image_angles, None, temb)
         joined = jnp.concatenate([image, context.astype(dtype)], axis=1)  # [batch, padded(n) + L, dim], image first
         text_angles = rope(cfg, caption_ids(text_tokens, b))
         angles = tuple(jnp.concatenate(pair, axis=1) for pair in zip(image_angles, text_angles, strict=True))
         key_mask = jnp.arange(joined.shape[1])[None, :] < (padded(n) + padded(lengths))[:, None]
         for block in self.layers:
-            joined = block(joined, angles, key_mask, temb)
+            joined = widened(block, joined)(joined, angles, key_mask, temb)
         out = self.all_final_layer[cfg.embedder_key](joined[:, :n], temb)  # [batch, n, p * p * in_channels]
         return unpatchify(out, h, w, p)
 

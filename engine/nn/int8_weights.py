@@ -1,12 +1,18 @@
 """Weight-only int8 kernels (`--quantize int8`, made by engine/loading/quantize.py) and their widening inside a
 program: `Int8Kernel` holds a linear kernel's int8 values and scales, `dequantize` widens a tree's, and `widened`
 widens one layer's once the hidden state that enters it exists, for a network that runs its layers in a Python loop
-(the Qwen3 text encoder's, whose kernels the programs leave int8: `dequantize(keep=)`).
+(the Qwen3 text encoder's, and the DiT denoisers' blocks: Z-Image's, FLUX.1's, FLUX.2's, SD3's), whose kernels the
+programs leave int8 (`dequantize(keep=)`). A network says which of its block lists it widens itself with a class
+attribute, `WIDENED_BLOCKS` (the attribute names of those lists), and `widened_blocks` finds them in a module tree:
+that is what the programs keep int8 for the denoisers. The UNets (SD 1.x/2.x/XL) declare none and are widened whole
+once per step (`dequantize(after=)`): SDXL's, the largest, has 2.6B parameters to Z-Image's 6B and FLUX.1's 12B,
+and their blocks are nested levels, not one list.
 
 Why: nothing ties a kernel's widening to the layer that reads it, and XLA's CPU compiler ordered every layer's first:
 widening the whole Qwen3 tree at the top of the prompt encoding held Qwen3-4B's 36 layers wide at once, 12.7 GB of
-temporaries at 512 tokens (0.1 GB in plain f32). `widened` makes each layer's widening read its input, so it waits
-for that layer's turn and is dead once the layer has run: about one layer is wide at a time.
+temporaries at 512 tokens (0.1 GB in plain f32); a denoising step of Z-Image's 6B transformer, widened whole, holds
+24 GB of f32 kernels. `widened` makes each layer's widening read its input, so it waits for that layer's turn and is
+dead once the layer has run: about one layer is wide at a time.
 """
 
 from __future__ import annotations
@@ -51,11 +57,18 @@ def dequantize(params: Any, after: jax.Array | None = None, keep: tuple[str, ...
     kernel once before the loop and holds the whole denoiser at full width for the loop's length: more memory than
     not quantizing at all (the loop then carries f32/bf16 kernels; with the barrier it carries the int8 values).
 
-    `keep`: top-level keys of the tree (components of a `Models` tree) whose kernels stay int8, for networks that
-    widen their own a layer at a time (`widened`: the Qwen3 text encoder's).
+    `keep`: sub-trees whose kernels stay int8, for networks that widen their own a layer at a time (`widened`):
+    each a top-level key of the tree (a component of a `Models` tree: the Qwen3 text encoder's) or a path of keys
+    (`widened_blocks`'s: ("transformer", "layers")).
     """
-    if keep:  # a mapping (an `nnx.State`, a dict): the same type, its kept keys as they are
-        return type(params)({key: sub if key in keep else dequantize(sub, after) for key, sub in params.items()})
+    if keep:  # a mapping (an `nnx.State`, a dict): the same type, its kept sub-trees as they are
+        paths = [path if isinstance(path, tuple) else (path,) for path in keep]
+
+        def part(key: Any, sub: Any) -> Any:
+            inner = tuple(path[1:] for path in paths if path[0] == key)
+            return sub if () in inner else dequantize(sub, after, inner)
+
+        return type(params)({key: part(key, sub) for key, sub in params.items()})
     leaves, tree = jax.tree.flatten(params, is_leaf=is_int8)
     where = [i for i, leaf in enumerate(leaves) if is_int8(leaf)]
     if not where:
@@ -67,6 +80,15 @@ def dequantize(params: Any, after: jax.Array | None = None, keep: tuple[str, ...
     for i in where:
         leaves[i] = leaves[i].dequantize()
     return jax.tree.unflatten(tree, leaves)
+
+
+def widened_blocks(module: nnx.Module) -> tuple[tuple, ...]:
+    """The paths, in `module`'s param tree, of the block lists that the networks in it widen themselves one block at
+    a time (each module's class's `WIDENED_BLOCKS`): what `dequantize(keep=)` leaves int8 for them. Read from the
+    classes, at trace time; () for a tree of networks that declare none."""
+    return tuple(
+        (*path, name) for path, node in nnx.iter_graph(module) for name in getattr(type(node), "WIDENED_BLOCKS", ())
+    )
 
 
 def after_input(values: jax.Array, x: jax.Array) -> jax.Array:

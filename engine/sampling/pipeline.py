@@ -27,6 +27,7 @@ from flax import nnx
 from .. import schedulers
 from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Family, Models
 from ..loading.quantize import dequantize, widened_by_layer
+from ..nn.int8_weights import widened_blocks
 from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
 
@@ -240,15 +241,23 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     )
 
 
-def _encoders_int8(plan: Plan, params: nnx.State) -> nnx.State:
-    """`params` widened but for the text encoders that widen their own int8 kernels a layer at a time (Qwen3's):
-    widened here all at once, Qwen3-4B's would take 12.7 GB of the prompt encoding's temporaries."""
-    return dequantize(params, keep=widened_by_layer(FAMILIES[plan.family].configs))
+def left_int8(plan: Plan, models: Models) -> tuple:
+    """What the programs leave int8 (`dequantize(keep=)`) of a tree of `models`: the networks' that widen their own
+    kernels a layer or a block at a time, once its input exists (`nn.int8_weights.widened`): the decoder-LM text
+    encoders (Qwen3's: `quantize.widened_by_layer`) and the DiT denoisers' block lists (`widened_blocks`). Widened
+    all at once, Qwen3-4B's would take 12.7 GB of the prompt encoding's temporaries and Z-Image's 6B transformer
+    24 GB of each step's."""
+    return (*widened_by_layer(FAMILIES[plan.family].configs), *widened_blocks(models))
+
+
+def _encoders_int8(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State) -> Models:
+    """The networks with their int8 kernels widened, but for those that widen their own (`left_int8`)."""
+    return nnx.merge(graphdef, dequantize(params, keep=left_int8(plan, nnx.merge(graphdef, params))))
 
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
     """The shapes of a batch's slots (use under `jax.eval_shape`): what `admit` fills."""
-    return _fresh(plan, nnx.merge(graphdef, _encoders_int8(plan, params)), new)
+    return _fresh(plan, _encoders_int8(plan, graphdef, params), new)
 
 
 def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slots: Slots, new: Admission) -> Slots:
@@ -257,7 +266,7 @@ def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slo
     The text encoders run over the first `lanes` slots of each device, where the masked ones are.
     """
     new, old = take_lanes(new, plan, lanes), take_lanes(slots, plan, lanes)
-    fresh = _fresh(plan, nnx.merge(graphdef, _encoders_int8(plan, params)), new)
+    fresh = _fresh(plan, _encoders_int8(plan, graphdef, params), new)
     return put_lanes(slots, jax.tree.map(lambda a, b: _select(new.mask, a, b), fresh, old), plan, lanes)
 
 
@@ -271,9 +280,11 @@ def advance(
     slots. Only the first `lanes` slots of each device run. `num_steps` is traced: any chunk length runs the
     same program. Static: `plan` (shapes, scheduler kind, guidance on/off, clip_skip) and `lanes`. No host
     callback inside, so the persistent compilation cache keeps it. Int8 kernels (engine/loading/quantize.py) are
-    widened inside each step, not once before the loop, which would hold the whole denoiser at full width.
+    widened inside each step, not once before the loop, which would hold the whole denoiser at full width; a DiT's
+    blocks' one block at a time inside the step (`left_int8`), the rest of it (embedders, final layer) at its start.
     """
     models: Models = nnx.merge(graphdef, dequantize(params))
+    kept = left_int8(plan, models)
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
     family = FAMILIES[plan.family]
@@ -283,7 +294,7 @@ def advance(
 
     def body(_, carry):
         x, state, i, deep = carry
-        models = nnx.merge(graphdef, dequantize(params, after=x))  # the same arrays for a tree with no int8 kernel
+        models = nnx.merge(graphdef, dequantize(params, after=x, keep=kept))  # the same arrays without int8
         if plan.token_merging:  # on this traced copy of the network only
             getattr(models, family.denoiser.component).merge_tokens(plan.token_merging)
         active = i < t.num_loop_steps  # [batch]
