@@ -1,5 +1,5 @@
-"""`--quantize int8` quantizes each kernel as the loader reads it (engine/loading/weights.py `convert(int8=)`,
-engine/loading/quantize.py `streaming_int8`), so a load never holds the float model beside its int8 copy.
+"""`--quantize int8` quantizes each kernel as the loader reads it (engine/loading/weights.py `convert(quantized=)`,
+engine/loading/quantize.py `streaming`), so a load never holds the float model beside its int8 copy.
 
 What is proven: the tree loaded that way is bit for bit the one quantizing the loaded float tree gives
 (`quantize_params` on the devices' components, `quantize_module` on a host encoder's), for the tiny Z-Image and FLUX.2

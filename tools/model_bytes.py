@@ -30,7 +30,7 @@ from flax import nnx
 
 from engine.families.base import Models
 from engine.families.loader import folder_family
-from engine.loading.quantize import int8_components, param_bytes, quantize_params, streaming_int8
+from engine.loading.quantize import int8_components, param_bytes, quantize_params, streaming
 from engine.loading.sources import resolve
 from engine.nn.layers import shapes_only
 from tools.published_configs import PUBLISHED
@@ -64,13 +64,17 @@ def component_bytes(source: str | Path, dtype: str = "bfloat16") -> dict[str, tu
 
 
 def kernels_in_flight(source: str | Path, threads: int = LOADING_THREADS, dtype: str = "bfloat16") -> int:
-    """Bytes a `--quantize int8` load holds at most beside the finished int8 tree (`loading.weights.convert(int8=)`
+    """Bytes a `--quantize int8` load holds at most beside the finished int8 tree (`loading.weights.convert(quantized=)`
     quantizes each kernel as it reads it): `threads` of the largest kernels it quantizes at once, each as its copy in
     `dtype`, `quantize_kernel`'s f32 copy, and its int8 values twice (as made, then aligned for the devices)."""
     params, chosen = _shapes(source, dtype)
-    takes = streaming_int8(chosen)
+    takes = streaming(chosen)
     largest = max(
-        (math.prod(var.get_value().shape) for path, var in nnx.to_flat_state(params) if takes(path, var.get_value())),
+        (
+            math.prod(var.get_value().shape)
+            for path, var in nnx.to_flat_state(params)
+            if takes(path, var.get_value()) is not None
+        ),
         default=0,
     )
     return threads * largest * (jnp.dtype(dtype).itemsize + 4 + 2)

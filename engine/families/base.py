@@ -176,6 +176,9 @@ class Denoiser:
     adapters: frozenset[str] = frozenset({"lora", "controlnet"})
     # Reference pictures the denoiser reads beside the latents (a model that edits); None: it takes none
     references: References | None = None
+    # Which of its kernels `--quantize w8a8` computes in int8, by a kernel's path below the component (the others stay
+    # float: the ends, the modulations); None: not offered (refused at load with what to start with instead)
+    w8a8: Callable[[tuple[str, ...]], bool] | None = field(default=None, repr=False)
 
     def guided_by_embedding(self, config: Any) -> bool:
         """Whether a denoiser with this config reads the guidance scale as an embedding rather than taking a

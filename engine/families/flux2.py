@@ -198,6 +198,9 @@ FAMILY = Family(
         denoise=denoise,
         adapters=frozenset({"lora"}),
         references=References(MAX_REFERENCES, prepare_reference, REFERENCE_PIXELS),  # editing, as Flux2KleinPipeline
+        # --quantize w8a8: the double and single blocks' attention and feed-forward, nearly all the products; the
+        # embedders, the shared modulations and the output layers stay float
+        w8a8=lambda path: path[0] in Flux2Transformer2DModel.WIDENED_BLOCKS,
     ),
     # The steps draw the pipeline's grid: 2x2 patches of the VAE's latents, normalised
     latent=LatentFormat(tiny_vae="madebyollin/taef2", vae_patch=2, encode=to_latents, decode=to_pixels),

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError, SourceError
-from ..loading.quantize import int8_components, streaming_int8
+from ..loading.quantize import int8_components, streaming
 from ..loading.sources import ModelFolder, resolve
 from ..loading.textual_inversion import NO_EMBEDDINGS, Embeddings
 from ..loading.tokenizer import Tokenizer
@@ -163,10 +163,11 @@ def load_model_folder(
     `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or Hub id) or the
     Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them), its
     prediction type from `prediction_type` or a `.yaml` beside it;
-    `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: with "int8", the
-    kernels of `loading.quantize.int8_components` (the denoiser, a Qwen3 text encoder, on the devices or the host) are
-    quantized as each tensor is read, so the load never holds the float model beside its int8 copy; "w8a8" is left to
-    `load_pipeline`."""
+    `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: each kernel it
+    takes is quantized as its tensor is read, so the load never holds the float model beside its int8 copy: with
+    "int8" those of `loading.quantize.int8_components` (the denoiser, a Qwen3 text encoder, on the devices or the
+    host) as int8 weights; with "w8a8" the denoiser's that its family's `Denoiser.w8a8` takes, computed in int8
+    (refused for a family without one), and a Qwen3 text encoder's as int8 weights."""
     if t5 not in T5_PLACES:
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
@@ -215,8 +216,9 @@ def load_model_folder(
         for key, value in family.tensors(name, configs[name], rename_legacy(by_component.get(name, {}))).items()
     }
 
-    # int8's kernels are quantized as they are read (`quantize.streaming_int8`): the float model is never held whole
-    int8 = int8_components(family.denoiser.component, family.configs, quantize) if quantize == "int8" else ()
+    # the kernels `quantize` takes are quantized as they are read (`quantize.streaming`): the float model is never held
+    int8 = int8_components(family.denoiser.component, family.configs, quantize) if quantize else ()
+    w8a8 = (family.denoiser.component, family.denoiser.w8a8) if quantize == "w8a8" else None
     host = None
     if t5 == "host" and text.host_encoder in configs:
         name = text.host_encoder
@@ -228,7 +230,7 @@ def load_model_folder(
         tensors,
         dtype,
         where=folder.name,
-        int8=streaming_int8(int8) if int8 else None,
+        quantized=streaming(int8, w8a8) if quantize else None,
     )
     if dtype == "float16" and vae_cfg.force_upcast:  # the SD/SDXL VAEs overflow in fp16; diffusers upcasts too
         params["vae"] = jax.tree.map(lambda a: a.astype(np.float32), params["vae"])

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from ..errors import ConfigError
+from ..loading.quantize import unet_w8a8
 from ..loading.vae import VAE_CLASSES, read_vae_config
 from ..models.clip import CLIPTextModel
 from ..models.config import AutoencoderTinyConfig, CLIPTextConfig, UNetConfig, VAEConfig
@@ -84,7 +85,7 @@ def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
 
 # SD's CLIP text side: one encoder's last hidden state (or an earlier layer's), chunks and emphasis. LCM shares it.
 CLIP_TEXT = TextSide(encoders=("text_encoder",), tokenizers=("tokenizer",), encode=encode)
-UNET = Denoiser(component="unet", denoise=denoise, denoise_shallow=denoise_shallow)
+UNET = Denoiser(component="unet", denoise=denoise, denoise_shallow=denoise_shallow, w8a8=unet_w8a8)
 
 FAMILY = Family(
     name="sd",

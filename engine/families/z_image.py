@@ -139,13 +139,23 @@ def build(configs: Mapping[str, Any], rngs: nnx.Rngs) -> dict[str, nnx.Module]:
 
 
 PIPELINES = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
+
+
+def w8a8(path: tuple[str, ...]) -> bool:
+    """`--quantize w8a8`'s kernels: the blocks' attention and feed-forward, nearly all the products; the embedders,
+    each block's adaLN modulation (a row per image) and the final layer stay float."""
+    return path[0] in ZImageTransformer2DModel.WIDENED_BLOCKS and "adaLN_modulation" not in path
+
+
 FAMILY = Family(
     name="z-image",
     pipelines=PIPELINES,
     configs={"text_encoder": Qwen3Config, "transformer": ZImageTransformerConfig, "vae": VAEConfig},
     build=build,
     text=Z_IMAGE.text_side(encode, extra_inputs),
-    denoiser=Denoiser(component="transformer", denoise=denoise, project=project, adapters=frozenset({"lora"})),
+    denoiser=Denoiser(
+        component="transformer", denoise=denoise, project=project, adapters=frozenset({"lora"}), w8a8=w8a8
+    ),
     # The transformer packs the latents' 2x2 patches itself, but its in_channels are the VAE's 16: no denoiser_patch
     latent=LatentFormat(tiny_vae="madebyollin/taef1"),
     sampling=flow_sampling(

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .quantize import dequantize, streaming_int8
+from .quantize import dequantize, streaming
 from .weights import convert
 
 
@@ -38,8 +38,8 @@ class HostEncoder:
         int8: bool = False,
         keep: tuple[str, ...] = (),
     ):
-        # int8: the large linear kernels kept as int8, quantized as they are read (`quantize.streaming_int8`)
-        graphdef, params = convert(module, tensors, dtype, where=where, int8=streaming_int8(None) if int8 else None)
+        # int8: the large linear kernels kept as int8, quantized as they are read (`quantize.streaming`)
+        graphdef, params = convert(module, tensors, dtype, where=where, quantized=streaming(None) if int8 else None)
         self.cpu = jax.devices("cpu")[0]
         self.params = jax.device_put(params, self.cpu)
         call = call or (lambda model, ids: model(ids))

@@ -7,7 +7,7 @@ Weight-only, symmetric, per output channel, round to nearest (the recipe of LLM.
 optimum-quanto's qint8 weights): a linear kernel w [in, out] becomes `Int8Kernel(values, scale)` with
 `scale[j] = max_i |w[i, j]| / 127` and `values = round(w / scale)`, so `values * scale` is within `scale / 2` of
 every weight. Only large 2-D kernels are replaced; biases, norms, embeddings and convolutions stay as they were.
-The loader quantizes each such kernel as it reads its tensor (`streaming_int8`), so loading never holds the float model.
+The loader quantizes each such kernel as it reads its tensor (`streaming`), so loading never holds the float model.
 
 The quantized tree is data like any other param tree: it is put on the devices as int8 and handed to the jitted
 programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
@@ -19,9 +19,11 @@ time inside each step (`dequantize(after=)`: each step widens its own, not the l
 once, Qwen3-4B's 36 layers took 12.7 GB of XLA's temporaries at 512 tokens, and Z-Image's 6B transformer would hold
 24 GB of f32 kernels in each step.
 
-`quantize_params(mode="w8a8")` quantizes for compute instead: the denoiser's linear and convolution kernels become
+`--quantize w8a8` quantizes for compute instead: the denoiser's linear and convolution kernels its family's rule takes
+(`Denoiser.w8a8`: a UNet's but its ends, the DiTs' blocks' attention and feed-forward) become
 `nn.int8.QuantizedKernel`s (7-bit values per output channel), which the layers keep and multiply in int8 with
-activations quantized per call (engine/nn/int8.py): on a CPU without native bf16, about twice f32's speed.
+activations quantized per call (engine/nn/int8.py): on a CPU without native bf16, about twice f32's speed. The loader
+quantizes them as it reads them too (`streaming`), and a Qwen3 text encoder beside them is weight-only int8.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def quantize_kernel(kernel: Any) -> Int8Kernel:
         )
     w = np.asarray(kernel)
     dtype = w.dtype
-    w = w.astype(np.float32)  # the one f32 copy: every step below works in it, in place (`streaming_int8`'s peak)
+    w = w.astype(np.float32)  # the one f32 copy: every step below works in it, in place (`streaming`'s peak)
     # [out]: max |w| per column, with no |w| array (+ 0.0: a column of -0.0 gives 0.0, as |w| would)
     scale = (np.maximum(w.max(axis=0), -w.min(axis=0)) + 0.0) / 127.0
     stored = scale.astype(dtype)
@@ -92,13 +94,20 @@ def widened_by_layer(configs: Mapping[str, type]) -> tuple[str, ...]:
 
 
 def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tuple[str, ...]:
-    """The components `quantize=mode` replaces kernels of, of a family whose denoiser is `denoiser` and whose
-    components' config classes are `configs` (`Family.configs`): the denoiser; with "int8" also each decoder-LM text
-    encoder (`INT8_TEXT_ENCODERS`), wherever it runs (the loader quantizes each kernel as it reads it,
-    `streaming_int8`, as `quantize_params` would the devices' tree and `quantize_module` the host's). "w8a8" computes
-    in int8 and stays the UNet's."""
-    text = [name for name, cls in configs.items() if mode == "int8" and issubclass(cls, INT8_TEXT_ENCODERS)]
-    return (denoiser, *text)
+    """The components whose kernels `quantize=mode` keeps as weight-only `Int8Kernel`s, of a family whose denoiser is
+    `denoiser` and whose components' config classes are `configs` (`Family.configs`): with "int8" the denoiser, and
+    with either mode each decoder-LM text encoder (`INT8_TEXT_ENCODERS`), wherever it runs (the loader quantizes each
+    kernel as it reads it, `streaming`, as `quantize_params` would the devices' tree and `quantize_module` the
+    host's). "w8a8" computes the denoiser in int8 instead (its family's `Denoiser.w8a8` rule): a Qwen3-4B left in f32
+    beside it would weigh 16 GB."""
+    text = tuple(name for name, cls in configs.items() if issubclass(cls, INT8_TEXT_ENCODERS))
+    return ((denoiser,) if mode == "int8" else ()) + text
+
+
+def unet_w8a8(path: tuple) -> bool:
+    """The UNet families' `Denoiser.w8a8` rule, by a kernel's path below the UNet: every linear and convolution
+    kernel but KEEP_FLOAT's (the first and last convolutions, the 1x1 shortcuts)."""
+    return not any(str(part) in KEEP_FLOAT for part in path)
 
 
 def _quantizable(path: tuple, value: Any, components: set[str] | None, min_size: int) -> bool:
@@ -111,57 +120,89 @@ def _quantizable(path: tuple, value: Any, components: set[str] | None, min_size:
     )
 
 
-def _computes_in_int8(path: tuple, value: Any, components: set[str], min_size: int) -> bool:
+def _computes_in_int8(path: tuple, value: Any, components: set[str], min_size: int, takes: Callable) -> bool:
     return (
         path[0] in components
         and str(path[-1]) == "kernel"
         and not isinstance(value, Int8Kernel | int8.QuantizedKernel)
         and len(value.shape) in (2, 4)  # linear layers' [in, out], convolutions' HWIO
         and math.prod(value.shape) >= min_size
-        and not any(str(part) in KEEP_FLOAT for part in path)
+        and takes(tuple(str(part) for part in path[1:]))
     )
 
 
 def quantize_params(
-    params: nnx.State, component: str | Sequence[str] = "transformer", min_size: int = MIN_SIZE, mode: str = "int8"
+    params: nnx.State,
+    component: str | Sequence[str] = "transformer",
+    min_size: int = MIN_SIZE,
+    mode: str = "int8",
+    takes: Callable[[tuple[str, ...]], bool] | None = None,
 ) -> nnx.State:
     """`params` with kernels of `component` (a `Models` attribute: the family's denoiser, or several) of at least
     `min_size` entries quantized; every other leaf is the same object as before. `mode` "int8": each linear kernel
     becomes an `Int8Kernel` (weight-only: widened inside the program, saves memory); "w8a8": each linear and
-    convolution kernel but the first and last convolutions' becomes an `int8.QuantizedKernel`, which the layers
-    compute with in int8 (engine/nn/int8.py: activations quantized per call; oneDNN's int8 kernels): a UNet's, on a
-    CPU (refused for any other denoiser or backend, whose int8 compute nothing measured or checked)."""
+    convolution kernel that `takes` (a family's `Denoiser.w8a8` rule, by the kernel's path below the component; the
+    UNet's, `unet_w8a8`, for a "unet") chooses becomes an `int8.QuantizedKernel`, which the layers compute with in int8
+    (engine/nn/int8.py: activations quantized per call; oneDNN's int8 kernels), on a CPU only (an accelerator's bf16
+    is its fast path)."""
     components = {component} if isinstance(component, str) else set(component)
     missing = components - set(params.keys())
     if missing:
         raise ConfigError(f"nothing to quantize: no component {sorted(missing)} in {sorted(params.keys())}")
     if mode not in MODES:
         raise ConfigError(f"quantize={mode!r} is not one of {', '.join(MODES)}")
-    if mode == "w8a8" and components != {"unet"}:  # the UNet's layers were measured and checked in int8, no other's
-        raise ConfigError(
-            f"quantize='w8a8' computes a UNet's layers in int8; this model's {', '.join(sorted(components))} takes "
-            "quantize='int8' (int8 weights, float compute) or none"
+    if mode == "w8a8":
+        takes = w8a8_rule(takes, components)
+        return _replace(
+            params,
+            lambda path, value: _computes_in_int8(path, value, components, min_size, takes),
+            int8.quantize_kernel,
         )
-    if mode == "w8a8" and jax.default_backend() != "cpu":  # an accelerator's bf16 is its fast path
+    return _replace(params, lambda path, value: _quantizable(path, value, components, min_size), quantize_kernel)
+
+
+def w8a8_rule(takes: Callable[[tuple[str, ...]], bool] | None, components: set[str]) -> Callable:
+    """The kernels w8a8 computes in int8 (`takes`; a UNet's by default), or a refusal that says what to start with:
+    on a CPU only, and for a denoiser whose family gives a rule."""
+    if jax.default_backend() != "cpu":  # an accelerator's bf16 is its fast path
         raise ConfigError(
             f"quantize='w8a8' computes in int8 on a CPU; on {jax.default_backend()} start without it (bf16 is the "
             "fast path there) or with quantize='int8'"
         )
-    chooses, quantize = (_computes_in_int8, int8.quantize_kernel) if mode == "w8a8" else (_quantizable, quantize_kernel)
-    return _replace(params, lambda path, value: chooses(path, value, components, min_size), quantize)
+    if takes is None and components != {"unet"}:  # the families that computed in int8 were measured and checked
+        raise ConfigError(
+            f"quantize='w8a8' computes the denoisers of SD 1.x/2.x/XL, Z-Image and FLUX.2 [klein] in int8; this "
+            f"model's {', '.join(sorted(components))} takes quantize='int8' (int8 weights, float compute) or none"
+        )
+    return takes or unet_w8a8
 
 
-def streaming_int8(components: Sequence[str] | None, min_size: int = MIN_SIZE) -> Callable[[tuple, Any], bool]:
-    """Which kernels `--quantize int8` takes, as `loading.weights.convert(int8=)` asks while it reads a checkpoint:
-    (a param's path in the tree built, its shape-only value) -> whether to quantize it as its tensor is read. Those of
-    `components` (a `Models` tree's: `int8_components`), or of any path (None: one module's own tree, a host encoder's),
-    chosen as `quantize_params` and `quantize_module` choose them, so the tree is the same as quantizing after the load.
+def streaming(
+    weight_only: Sequence[str] | None,
+    w8a8: tuple[str, Callable[[tuple[str, ...]], bool]] | None = None,
+    min_size: int = MIN_SIZE,
+) -> Callable[[tuple, Any], Callable[[Any], Any] | None]:
+    """How `loading.weights.convert(quantized=)` quantizes each kernel while it reads a checkpoint: (a param's path in
+    the tree built, its shape-only value) -> `quantize_kernel` (an `Int8Kernel`) for the kernels of `weight_only` (a
+    `Models` tree's components, `int8_components`; None: any path, one module's own tree, a host encoder's);
+    `int8.quantize_kernel` (computed in int8) for those of the component `w8a8` names that its rule takes
+    (`Denoiser.w8a8`); else None, kept as read. The same kernels and values as `quantize_params` gives the finished
+    tree.
 
     Why while reading: quantizing after the load holds the whole model in the run dtype first and its int8 copy beside
     it (Z-Image-Turbo's 20.5 GB of bf16 and 10.7 of int8); this way each kernel's float copy lives only while it is
     quantized, and the load holds the int8 model plus the few kernels being quantized at once (`LOAD_THREADS`)."""
-    chosen = None if components is None else set(components)
-    return lambda path, value: _quantizable(path, value, chosen, min_size)
+    chosen = None if weight_only is None else set(weight_only)
+    if w8a8 is not None:
+        computed, takes = w8a8
+        takes = w8a8_rule(takes, {computed})
+
+    def quantizer(path: tuple, value: Any) -> Callable[[Any], Any] | None:
+        if w8a8 is not None and _computes_in_int8(path, value, {computed}, min_size, takes):
+            return int8.quantize_kernel
+        return quantize_kernel if _quantizable(path, value, chosen, min_size) else None
+
+    return quantizer
 
 
 def quantize_module(params: nnx.State, min_size: int = MIN_SIZE) -> nnx.State:

@@ -11,7 +11,7 @@ Loading costs memory traffic, not arithmetic: each full copy of SD 1.5's 4.3 GB 
 page faults. So the files are mapped, not read (the tensors are views of the page cache), and each
 tensor is copied once, into our layout and dtype, by several threads at once, into memory aligned as
 the CPU backend's `device_put` wants it to use the array in place instead of copying it again. A kernel that
-`--quantize int8` takes is quantized as soon as it is copied (`convert(int8=)`), so its float copy never outlives it.
+`--quantize` takes is quantized as soon as it is copied (`convert(quantized=)`), so its float copy never outlives it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flax import nnx
 from ..cpus import usable_cpus
 from ..errors import WeightsError
 from ..nn.layers import shapes_only
-from .quantize import Int8Kernel, quantize_kernel
+from .quantize import Int8Kernel
 
 LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -170,13 +170,14 @@ def convert(
     tensors: Mapping[str, np.ndarray],
     dtype=np.float32,
     where: str = "model",
-    int8: Callable[[tuple, Any], bool] | None = None,
+    quantized: Callable[[tuple, Any], Callable[[np.ndarray], Any] | None] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Returns the model's graph and a state of host numpy arrays in `dtype`, ready for device_put.
 
-    `int8(path, shape-only value)`: the kernels to keep as `Int8Kernel`s (`quantize.streaming_int8`), each quantized
-    as it is read, from its copy in `dtype`, which is dropped then: the same values as `quantize_params` gives the
-    finished tree, without ever holding the model in `dtype` beside its int8 copy."""
+    `quantized(path, shape-only value)`: how to quantize that kernel (`quantize.streaming`: to an `Int8Kernel` for
+    `--quantize int8`, to an `int8.QuantizedKernel` for w8a8), or None to keep it; each is quantized as it is read,
+    from its copy in `dtype`, which is dropped then: the same values as `quantize_params` gives the finished tree,
+    without ever holding the model in `dtype` beside its int8 copy."""
     with shapes_only():
         graphdef, abstract = nnx.split(make_model())
     tensors = {k: v for k, v in rename_legacy(tensors).items() if not IGNORED.search(k)}
@@ -199,7 +200,7 @@ def convert(
         if array.shape != shape:
             misshaped.append(f"{name}: checkpoint {tuple(tensors[name].shape)}, model expects {shape} (our layout)")
             continue
-        found.append((path, var, array, int8 is not None and int8(path, var.get_value())))
+        found.append((path, var, array, quantized(path, var.get_value()) if quantized is not None else None))
     unexpected = sorted(set(tensors) - seen)
     if missing or unexpected or misshaped:
         lines = [f"{where}: the weights do not fit the model built from its config.json"]
@@ -212,11 +213,11 @@ def convert(
 
     # One copy per tensor, by several threads (numpy copies without the GIL), the largest first so they end together.
     def copy(i: int) -> np.ndarray | Int8Kernel:
-        _, _, array, quantized = found[i]
-        if not quantized:
+        _, _, array, quantize = found[i]
+        if quantize is None:
             return aligned_copy(array, dtype)
-        kernel = quantize_kernel(aligned_copy(array, dtype))  # the float copy is dropped here
-        return Int8Kernel(aligned_copy(kernel.values, np.int8), aligned_copy(kernel.scale, kernel.scale.dtype))
+        kernel = quantize(aligned_copy(array, dtype))  # the float copy is dropped here
+        return jax.tree.map(lambda a: aligned_copy(a, a.dtype), kernel)  # its int8 values, scales (and sums)
 
     largest_first = sorted(range(len(found)), key=lambda i: -found[i][2].size)
     with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="jax-sd-load") as pool:

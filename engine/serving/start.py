@@ -16,7 +16,7 @@ from ..loading.controlnet import attach_controlnet, load_controlnet
 from ..loading.lora import load_lora, lora_factors
 from ..loading.models_folder import ModelsFolder
 from ..loading.quantize import MODES as QUANTIZE_MODES
-from ..loading.quantize import int8_components, quantize_params, quantize_tiny_decoder
+from ..loading.quantize import quantize_tiny_decoder
 from ..loading.textual_inversion import attach_embeddings, encoder_parts
 from ..loading.upscaler_folder import UpscalerFolder
 from ..loading.vae import attach_vae, load_vae
@@ -120,7 +120,8 @@ def load_pipeline(
     `quantize`: "int8" keeps the denoiser's large linear kernels as int8 with one scale per output channel
     (engine/loading/quantize.py: about half their bf16 memory), and a Qwen3 text encoder's, on the devices or the
     host; "w8a8" computes the denoiser's linear layers and convolutions in int8 (engine/nn/int8.py: on an AVX2 CPU
-    about twice f32's speed), and a TAESD decoder's inner convolutions; or None; not with LoRAs, which merge into
+    about twice f32's speed; the UNet families, Z-Image and FLUX.2 [klein]), and a TAESD decoder's inner
+    convolutions, with a Qwen3 text encoder as int8 weights; or None; not with LoRAs, which merge into
     kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
@@ -166,12 +167,9 @@ def load_pipeline(
         # rows appended to the text encoders' token tables, once
         model = attach_embeddings(model, embeddings, FAMILIES[model.family])
     factors = {name: lora_factors(load_lora(path), model.params) for name, path in (loras or {}).items()}
-    # int8's kernels (the denoiser's, a Qwen3 text encoder's) were quantized as load_model_folder read them; w8a8's are
-    # quantized here, the UNet's and a TAESD's decode (most of a picture's fixed part on a CPU that computes in int8)
+    # The denoiser's kernels were quantized as load_model_folder read them; a TAESD's decode computes in int8 with
+    # w8a8's UNet (most of a picture's fixed part on a CPU that computes in int8), attached after the load
     if quantize == "w8a8":
-        family = FAMILIES[model.family]
-        chosen = int8_components(family.denoiser.component, family.configs, quantize)
-        model = dataclasses.replace(model, params=quantize_params(model.params, chosen, mode=quantize))
         model = dataclasses.replace(model, params=quantize_tiny_decoder(model.params))
     checker = None
     if safety_checker:
