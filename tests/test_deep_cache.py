@@ -116,11 +116,21 @@ def test_the_first_level_over_another_step_s_deep_features_is_diffusers(folder):
     np.testing.assert_allclose(unet.shallow(nhwc(x2), np.float32(600), context, this_step), whole, atol=1e-5)
 
 
-@pytest.mark.parametrize("every", [2, 3])
-def test_a_deep_cached_picture_is_diffusers_with_the_same_reuse(folder, every):
+# SD 1.x with its unconditional rows, SD-Turbo without; each folder's pictures are drawn with these.
+PICTURE_SETTINGS = {
+    "sd1": dict(guidance_scale=7.5, scheduler="ddim"),
+    "turbo": dict(guidance_scale=0.0, scheduler="euler"),
+}
+# One reuse period per folder: each period is a program of its own (Plan.deep_cache) while every period runs the same
+# code, the step's multiple of N choosing whole or first level. Both kinds of reuse are still drawn: SD 1.x's first
+# level twice in a row over the same deep features (N=3), SD-Turbo's once between whole steps (N=2).
+PICTURE_EVERY = {"sd1": 3, "turbo": 2}
+
+
+def test_a_deep_cached_picture_is_diffusers_with_the_same_reuse(folder):
     variant, path, ours = folder
-    guidance = 7.5 if variant == "sd1" else 0.0  # SD 1.x with its unconditional rows, SD-Turbo without
-    scheduler = "euler" if variant == "turbo" else "ddim"
+    every = PICTURE_EVERY[variant]
+    guidance, scheduler = PICTURE_SETTINGS[variant]["guidance_scale"], PICTURE_SETTINGS[variant]["scheduler"]
     reference = tiny_pipeline.write(variant, path.parent / f"{path.name}-reference")
     reference.scheduler = (DDIMScheduler if scheduler == "ddim" else EulerDiscreteScheduler).from_config(
         reference.scheduler.config
@@ -139,8 +149,9 @@ def test_a_deep_cached_picture_is_diffusers_with_the_same_reuse(folder, every):
 
 
 def test_deep_cache_1_is_every_step_whole(folder):
-    _, _, ours = folder
-    kw = dict(seed=3, num_inference_steps=3, height=SIZE, width=SIZE, num_images=1)
+    variant, _, ours = folder
+    # The pictures' batch, scheduler and guidance: the whole UNet's programs drawn above serve, none compiles anew.
+    kw = dict(seed=3, num_inference_steps=3, height=SIZE, width=SIZE, num_images=2, **PICTURE_SETTINGS[variant])
     np.testing.assert_array_equal(ours.generate(PROMPT, deep_cache=1, **kw).arrays, ours.generate(PROMPT, **kw).arrays)
 
 
