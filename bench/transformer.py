@@ -44,6 +44,11 @@ the output scattered back by its ids; Z-Image: lists of [C, 1, H, W] latents and
 it pads to a multiple of 32 itself, at (1000 - t) / 1000, the stacked output negated as ZImagePipeline's loop does),
 `torch.inference_mode()`, `torch.set_num_threads(os.cpu_count())`.
 
+`ours-w8a8` (`--systems ours-w8a8,diffusers`; Z-Image and Klein) loads the transformer as `--quantize w8a8` does: the
+kernels its family's `Denoiser.w8a8` takes (the blocks' attention and feed-forward) quantized as they are read into
+`int8.QuantizedKernel`s and pinned for oneDNN, computed in int8 with activations quantized per call; its output is
+compared with diffusers' f32 as an RMS difference relative to diffusers' RMS.
+
 Each system runs in a process of its own, the systems taking turns for `--rounds` rounds; each round loads the
 model, makes `--warmup` untimed calls, then keeps the fastest of `--reps` timed calls; each system keeps its fastest
 round. Prints a table (seconds per step and per block, load and compile seconds, each process's peak RSS, which
@@ -170,7 +175,10 @@ MODELS = {
         for name, config in (("klein-4b", KLEIN_4B), ("klein-9b", KLEIN_9B))
     },
 }
-SYSTEMS = ("ours", "diffusers")
+SYSTEMS = ("ours", "ours-w8a8", "diffusers")
+DEFAULT_SYSTEMS = "ours,diffusers"
+# the family whose `Denoiser.w8a8` says which kernels ours-w8a8 computes in int8
+W8A8_FAMILY = {"z-image": "z-image", "klein-4b": "flux2", "klein-9b": "flux2"}
 TIMESTEP = 0.5  # the flow's sigma: the schedulers' t is 1000 x it, which each model reads as its pipeline passes it
 GUIDANCE = 3.5  # FLUX.1 dev's embedded guidance scale
 CAPTION_TOKENS = 100  # Z-Image's default caption length: a prompt of about 70 words in Qwen3's chat template
@@ -315,25 +323,40 @@ def our_step(model: str, transformer, x, t, text, extra: dict):
     return transformer(x, t / 1000, context)  # flux2.py: no pooled text, no guidance embedding
 
 
-def time_ours(model: str, folder: Path, values: dict, dtype: str, warmup: int, reps: int) -> tuple[dict, np.ndarray]:
+def time_ours(
+    model: str, folder: Path, values: dict, dtype: str, warmup: int, reps: int, w8a8: bool = False
+) -> tuple[dict, np.ndarray]:
     from functools import partial
 
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from engine.loading.quantize import streaming
     from engine.loading.weights import convert, read_safetensors
 
     cls, config_cls = our_class(model)
     start = time.perf_counter()
     cfg = config_cls.from_json(folder / "config.json")
     tensors = read_safetensors(sorted(folder.glob("*.safetensors")))
+    quantized = None
+    if w8a8:  # as `--quantize w8a8` loads it: the family's rule, each kernel quantized as it is read
+        from engine.families import FAMILIES
+
+        takes = FAMILIES[W8A8_FAMILY[model]].denoiser.w8a8
+        rule = streaming((), ("transformer", takes))
+        quantized = lambda path, value: rule(("transformer", *path), value)  # noqa: E731 (paths below the component)
     graphdef, params = convert(
-        lambda: cls(cfg, nnx.Rngs(0)), tensors, "bfloat16" if dtype == "bfloat16" else np.float32
+        lambda: cls(cfg, nnx.Rngs(0)), tensors, "bfloat16" if dtype == "bfloat16" else np.float32, quantized=quantized
     )
     del tensors  # the file's mapping: the copies in `params` are what the program reads
     params = jax.device_put(params)
     jax.block_until_ready(params)
+    pinned = None
+    if w8a8:  # the int8 kernels reordered once for oneDNN, as the Engine pins them
+        from engine.nn import int8, onednn
+
+        pinned = onednn.pin(params, int8_values=int8.kernel_values(params))
     load_s = time.perf_counter() - start
 
     @partial(jax.jit, static_argnums=0)
@@ -355,6 +378,7 @@ def time_ours(model: str, folder: Path, values: dict, dtype: str, warmup: int, r
         return jax.block_until_ready(compiled(params, x, t, text, extra))
 
     first_s, out = _first_and_best(call, warmup, reps)
+    del pinned
     return dict(load_s=load_s, compile_s=compile_s, **first_s), np.asarray(out.astype(jnp.float32))
 
 
@@ -445,8 +469,11 @@ def child(args: argparse.Namespace) -> None:
         return
     folder = model_dir(args.folder, args.model, config)
     values = inputs(args.model, args.size, args.batch, args.caption_tokens)
-    timer = time_ours if args.child == "ours" else time_diffusers
-    result, out = timer(args.model, folder, values, args.dtype, args.warmup, args.reps)
+    if args.child == "diffusers":
+        result, out = time_diffusers(args.model, folder, values, args.dtype, args.warmup, args.reps)
+    else:
+        w8a8 = args.child == "ours-w8a8"
+        result, out = time_ours(args.model, folder, values, args.dtype, args.warmup, args.reps, w8a8=w8a8)
     np.save(args.folder / f"out-{args.child}.npy", out)
     result["finite"] = bool(np.isfinite(out).all())
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
@@ -477,7 +504,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per round before the timed ones")
     parser.add_argument("--reps", type=int, default=1, help="timed calls per round (the fastest is kept)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: ours,diffusers")
+    parser.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, of {','.join(SYSTEMS)} (ours-w8a8: Z-Image, Klein)",
+    )
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "jax-sd-bench-transformer")
     parser.add_argument("--child", choices=(*SYSTEMS, "write"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -487,6 +518,8 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - set(SYSTEMS):
         parser.error(f"--systems {args.systems!r}: a comma-separated choice of {', '.join(SYSTEMS)}")
+    if "ours-w8a8" in systems and args.model not in W8A8_FAMILY:
+        parser.error(f"ours-w8a8 computes Z-Image's and Klein's blocks in int8; {args.model} is not offered w8a8")
     if args.size % 16 or args.size < 16:
         parser.error(f"--size {args.size}: a positive multiple of 16 (8 pixels a latent, 2 latents a token)")
     if not 1 <= args.caption_tokens <= MODELS["z-image"]["text_tokens"]:
@@ -548,6 +581,12 @@ def main() -> None:
         )
         for row in rows.values():
             row.update(ratio=ratio, max_rel_diff=diff)
+    if {"ours-w8a8", "diffusers"} <= set(systems):
+        quantized, theirs = (np.load(args.folder / f"out-{s}.npy") for s in ("ours-w8a8", "diffusers"))
+        rms = float(np.sqrt(np.mean((quantized - theirs) ** 2) / np.mean(theirs**2)))
+        ratio = rows["ours-w8a8"]["step_s"] / rows["diffusers"]["step_s"]
+        print(f"ours-w8a8 / diffusers: {ratio:.2f} (step); output's RMS difference / diffusers' RMS: {rms:.1e}")
+        rows["ours-w8a8"].update(ratio=ratio, rel_rms_diff=rms)
     for row in rows.values():
         print(json.dumps(row))
 
