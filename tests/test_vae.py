@@ -98,7 +98,10 @@ def reference_images(reference, scheduler: str, **kwargs) -> np.ndarray:
         return reference(output_type="np", **kwargs).images
 
 
-@pytest.mark.parametrize("kind, scheduler", [("tiny", "ddim"), ("tiny", "euler"), ("kl", "euler")])
+# Each VAE once, with a scheduler of its own: the scheduler steps the latents before any VAE sees them and the decode
+# is the same program whichever stepped them (TAESD with Euler proved nothing TAESD with DDIM and the KL with Euler
+# do not, and compiled a plan of its own).
+@pytest.mark.parametrize("kind, scheduler", [("tiny", "ddim"), ("kl", "euler")])
 def test_text_to_image_with_another_vae_matches_diffusers(kind, scheduler, swapped):
     reference, ours, where = swapped(kind)
     latents = start(2)
