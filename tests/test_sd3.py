@@ -171,7 +171,7 @@ def test_t5_on_the_host_or_left_out(sd3):
     reference, ours, folder, param = sd3
     if param != ("sd3", True):
         pytest.skip("a folder with T5")
-    start = latents(1)
+    start = latents()  # two pictures, guided: the programs the pictures above compiled draw the on-device one
     args = dict(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=5.0, num_inference_steps=2)
     on_device = run_ours(ours, start, scheduler="flow_euler", **args)
     host = load_pipeline(folder, safety_checker=False, t5="host")
