@@ -407,6 +407,18 @@ def replica_activity(running: LocalCluster) -> dict[str, dict]:
     return seen
 
 
+def drawing_replica(running: LocalCluster) -> dict:
+    """A replica's `activity()` while it is mid-request, asked until one is: between a preview and the replicas'
+    answers the requests move on, and a replica may be between batches when it answers."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        drawing = [a for a in replica_activity(running).values() if a["drawing"]]
+        if drawing:
+            return drawing[0]
+        assert time.monotonic() < deadline, "no replica was drawing: the requests ended before one could be killed"
+        time.sleep(0.05)
+
+
 def wait_for_previews(jobs) -> None:
     """Until one of the jobs shows a preview: its replica is drawing it."""
     deadline = time.monotonic() + DEADLINE_S
@@ -499,9 +511,10 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(local_cluster, tmp_pa
     from gradio_client.exceptions import AppError
 
     client = Client(local_cluster.url, verbose=False, download_files=str(tmp_path))
-    jobs = [ask(client, k, seed=500 + k, steps=20) for k in range(8)]
+    # long enough requests that they are still being drawn when the replicas answer (at 20 steps all 8 had once ended)
+    jobs = [ask(client, k, seed=500 + k, steps=60) for k in range(8)]
     wait_for_previews(jobs)
-    victim = next(a for a in replica_activity(local_cluster).values() if a["drawing"])  # a replica mid-request
+    victim = drawing_replica(local_cluster)
     assert victim["pid"] in replica_processes()
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.perf_counter()
