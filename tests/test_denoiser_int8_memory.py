@@ -3,7 +3,7 @@
 Widened all at once (the whole transformer through `dequantize(after=x)` at the top of each step, as the sampling
 program once did), XLA held every block's f32 kernels at once: Z-Image's 6B transformer is 24 GB in f32, and its first
 picture at real shapes grew past 22 GB and was killed. Now the step leaves the blocks' kernels int8 (`dequantize(keep=
-pipeline.left_int8(...))`: the block lists each transformer class names in `WIDENED_BLOCKS`) and the transformer's
+nn.int8_weights.widened_blocks(...))`: the block lists each transformer class names in `WIDENED_BLOCKS`) and the transformer's
 block loop widens each block's once that block's input exists (`nn.int8_weights.widened`, as Qwen3's layers:
 tests/test_qwen3_int8_memory.py); the embedders and final layer, small, are widened at the step's start.
 
@@ -28,7 +28,7 @@ from engine.families.base import Conditioning, Models
 from engine.loading.quantize import Int8Kernel, dequantize, quantize_params
 from engine.models.transformer_flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
 from engine.models.transformer_z_image import ZImageTransformer2DModel, ZImageTransformerConfig
-from engine.sampling.pipeline import Plan, left_int8
+from engine.nn.int8_weights import widened_blocks
 
 WIDTH, TEXT = 256, 32
 Z_IMAGE = ZImageTransformerConfig(
@@ -101,9 +101,7 @@ def test_each_step_widens_one_block_at_a_time(family):
     build, inputs, lists = CASES[family]
     graphdef, params = nnx.split(Models(transformer=build()))
     params = quantize_params(params, "transformer")  # what `--quantize int8` loads
-    plan = Plan(batch=1, latent_height=8, latent_width=8, scheduler="euler", max_steps=2, guidance=False, family=family)
-    # (what left_int8 reads of the plan is its family)
-    keep = left_int8(plan, nnx.merge(graphdef, params))  # what the step program leaves int8
+    keep = widened_blocks(nnx.merge(graphdef, params))  # what the step program leaves int8
     assert {("transformer", name) for name in lists} <= set(keep)
     x, kv = inputs(np.random.default_rng(0))
     steps = np.int32(2)

@@ -3,7 +3,7 @@
 Widened all at once (the whole tree through `dequantize` before the encoder ran, as the prompt-encoding program and
 the host encoder once did), XLA held every layer's f32 kernels as temporaries: 9.6 GB for FLUX.2 [klein]'s 27
 Qwen3-4B layers at 512 tokens, 12.7 GB for Z-Image's 36, where the f32 model needs 0.1 GB. Now the programs leave the
-encoder's kernels int8 (`dequantize(keep=widened_by_layer(...))`) and the model widens each layer's after that
+encoder's layers int8 (`dequantize(keep=widened_blocks(...))`) and the model widens each layer's after that
 layer's input exists (`nn.int8_weights.widened`: an optimization barrier).
 
 What is proven, on 12 layers of 256 wide (intermediate 1024), whose f32 kernels are 3.9 MB a layer: XLA's
@@ -20,12 +20,12 @@ import pytest
 from flax import nnx
 from qwen_reference import tiny_qwen3
 
-from engine.families import FAMILIES
 from engine.families.base import Models
 from engine.loading.host_encoder import host_qwen3
-from engine.loading.quantize import dequantize, quantize_module, quantize_params, widened_by_layer
+from engine.loading.quantize import dequantize, quantize_module, quantize_params
 from engine.loading.weights import convert
 from engine.models.qwen3 import Qwen3Config, Qwen3Model, encoder_tensors
+from engine.nn.int8_weights import widened_blocks
 
 LAYERS = 12
 LAYOUT = dict(
@@ -56,7 +56,8 @@ def temporaries(run, *args) -> int:
 
 
 def test_the_prompt_encoding_widens_one_layer_at_a_time(encoder):
-    """Z-Image's programs (`widened_by_layer` of its configs) against the whole tree widened before the encoder."""
+    """The programs' keep (`widened_blocks` of the models: Qwen3's layers) against the whole tree widened before the
+    encoder."""
     tensors, config, ids, mask = encoder
     graphdef, params = convert(
         lambda: Models(text_encoder=Qwen3Model(config, nnx.Rngs(0))),
@@ -64,8 +65,8 @@ def test_the_prompt_encoding_widens_one_layer_at_a_time(encoder):
         "float32",
     )
     params = quantize_params(params, "text_encoder")
-    keep = widened_by_layer(FAMILIES["z-image"].configs)
-    assert keep == ("text_encoder",)
+    keep = widened_blocks(nnx.merge(graphdef, params))
+    assert keep == (("text_encoder", "layers"),)
     at_once = jax.jit(lambda p, i, m: nnx.merge(graphdef, dequantize(p)).text_encoder(i, m))
     by_layer = jax.jit(lambda p, i, m: nnx.merge(graphdef, dequantize(p, keep=keep)).text_encoder(i, m))
     before, after = temporaries(at_once, params, ids, mask), temporaries(by_layer, params, ids, mask)

@@ -89,5 +89,5 @@ def host_qwen3(
         f"{where} {component}",
         call=lambda model, ids, mask: prompt_embeds(config, model(ids, mask), hidden_layers),
         int8=int8,
-        keep=("layers",),  # widened by the model, one layer after another (`nn.int8_weights.widened`)
+        keep=Qwen3Model.WIDENED_BLOCKS,  # widened by the model, one layer after another (`nn.int8_weights.widened`)
     )

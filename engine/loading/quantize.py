@@ -13,7 +13,7 @@ The quantized tree is data like any other param tree: it is put on the devices a
 programs, which call `dequantize` just before `nnx.merge`, so the widened kernel exists only inside the program,
 where XLA can fuse the convert and the scale into the matmul that reads it. `Int8Kernel` and `dequantize` live in
 engine/nn/int8_weights.py, beside `widened`, so that a network can widen its own: the Qwen3 text encoder's are left
-int8 by the programs (`dequantize(keep=widened_by_layer(...))`) and widened one layer at a time, once that layer's
+int8 by the programs (`dequantize(keep=nn.int8_weights.widened_blocks(...))`) and widened one layer at a time, once that layer's
 input exists, and so are a DiT denoiser's blocks' (the lists its class names in `WIDENED_BLOCKS`), one block at a
 time inside each step (`dequantize(after=)`: each step widens its own, not the loop once before it). Widened all at
 once, Qwen3-4B's 36 layers took 12.7 GB of XLA's temporaries at 512 tokens, and Z-Image's 6B transformer would hold
@@ -84,13 +84,6 @@ def quantize_kernel(kernel: Any) -> Int8Kernel:
     np.divide(w, np.where(divisor == 0, 1.0, divisor), out=w)
     np.rint(w, out=w)
     return Int8Kernel(np.clip(w, -127, 127, out=w).astype(np.int8), stored)
-
-
-def widened_by_layer(configs: Mapping[str, type]) -> tuple[str, ...]:
-    """The components of a family whose components' config classes are `configs` that widen their own int8 kernels
-    a layer at a time (`nn.int8_weights.widened`): the decoder-LM text encoders (`INT8_TEXT_ENCODERS`). What the
-    programs' `dequantize(keep=)` leaves int8."""
-    return tuple(name for name, cls in configs.items() if issubclass(cls, INT8_TEXT_ENCODERS))
 
 
 def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tuple[str, ...]:

@@ -188,6 +188,10 @@ class Qwen3Model(nnx.Module):
     layers it is the embeddings and those layers' outputs, none normed (transformers' entries 0..n).
     """
 
+    # `--quantize int8`: the programs leave this list's kernels int8 and each layer's are widened only once its input
+    # exists (`nn.int8_weights.widened`), so about one layer is wide at a time, as a DiT's blocks
+    WIDENED_BLOCKS = ("layers",)
+
     def __init__(self, config: Qwen3Config, rngs: nnx.Rngs, num_layers: int | None = None):
         self.config = config
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers

@@ -26,7 +26,7 @@ from flax import nnx
 
 from .. import schedulers
 from ..families import DEFAULT_FAMILY, FAMILIES, Conditioning, Family, Models
-from ..loading.quantize import dequantize, widened_by_layer
+from ..loading.quantize import dequantize
 from ..nn.int8_weights import widened_blocks
 from ..nn.layers import ProjectedContext
 from . import modes, pairs, prompts
@@ -241,23 +241,16 @@ def _fresh(plan: Plan, models: Models, new: Admission) -> Slots:
     )
 
 
-def left_int8(plan: Plan, models: Models) -> tuple:
-    """What the programs leave int8 (`dequantize(keep=)`) of a tree of `models`: the networks' that widen their own
-    kernels a layer or a block at a time, once its input exists (`nn.int8_weights.widened`): the decoder-LM text
-    encoders (Qwen3's: `quantize.widened_by_layer`) and the DiT denoisers' block lists (`widened_blocks`). Widened
-    all at once, Qwen3-4B's would take 12.7 GB of the prompt encoding's temporaries and Z-Image's 6B transformer
-    24 GB of each step's."""
-    return (*widened_by_layer(FAMILIES[plan.family].configs), *widened_blocks(models))
-
-
-def _encoders_int8(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State) -> Models:
-    """The networks with their int8 kernels widened, but for those that widen their own (`left_int8`)."""
-    return nnx.merge(graphdef, dequantize(params, keep=left_int8(plan, nnx.merge(graphdef, params))))
+def _encoders_int8(graphdef: nnx.GraphDef, params: nnx.State) -> Models:
+    """The networks with their int8 kernels widened, but for the layer and block lists that they widen themselves
+    once each one's input exists (`nn.int8_weights.widened_blocks`: Qwen3's layers, the DiT denoisers' blocks).
+    Widened all at once, Qwen3-4B's would take 12.7 GB of the prompt encoding's temporaries."""
+    return nnx.merge(graphdef, dequantize(params, keep=widened_blocks(nnx.merge(graphdef, params))))
 
 
 def empty_slots(plan: Plan, graphdef: nnx.GraphDef, params: nnx.State, new: Admission) -> Slots:
     """The shapes of a batch's slots (use under `jax.eval_shape`): what `admit` fills."""
-    return _fresh(plan, _encoders_int8(plan, graphdef, params), new)
+    return _fresh(plan, _encoders_int8(graphdef, params), new)
 
 
 def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slots: Slots, new: Admission) -> Slots:
@@ -266,7 +259,7 @@ def admit(plan: Plan, lanes: int, graphdef: nnx.GraphDef, params: nnx.State, slo
     The text encoders run over the first `lanes` slots of each device, where the masked ones are.
     """
     new, old = take_lanes(new, plan, lanes), take_lanes(slots, plan, lanes)
-    fresh = _fresh(plan, _encoders_int8(plan, graphdef, params), new)
+    fresh = _fresh(plan, _encoders_int8(graphdef, params), new)
     return put_lanes(slots, jax.tree.map(lambda a, b: _select(new.mask, a, b), fresh, old), plan, lanes)
 
 
@@ -281,10 +274,10 @@ def advance(
     same program. Static: `plan` (shapes, scheduler kind, guidance on/off, clip_skip) and `lanes`. No host
     callback inside, so the persistent compilation cache keeps it. Int8 kernels (engine/loading/quantize.py) are
     widened inside each step, not once before the loop, which would hold the whole denoiser at full width; a DiT's
-    blocks' one block at a time inside the step (`left_int8`), the rest of it (embedders, final layer) at its start.
+    blocks' one block at a time inside the step (`widened_blocks`: Z-Image's 6B widened whole would hold 24 GB), the rest of it (embedders, final layer) at its start.
     """
     models: Models = nnx.merge(graphdef, dequantize(params))
-    kept = left_int8(plan, models)
+    kept = widened_blocks(models)
     full, slots = slots, take_lanes(slots, plan, lanes)
     kind, t, cond = plan.scheduler, slots.tables, slots.cond
     family = FAMILIES[plan.family]
