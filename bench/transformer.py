@@ -33,8 +33,8 @@ guidance)` with t / 1000, Klein `model(x, t / 1000, model.project_context(text))
 model.encode_context(text, lengths), lengths)` (read at (1000 - t) / 1000 and negated inside); the graph static and
 the parameters arguments of the program, as engine/sampling/pipeline.py passes them. x is the NHWC latent [batch,
 size/8, size/8, 16] (Klein: the VAE's 2x2 patches, [batch, size/16, size/16, 128]). The text is what our pipelines
-pass: Klein 512 tokens; Z-Image every caption padded to 512 tokens, `--caption-tokens` of them real (default 100)
-and its length beside it, the rest masked out but computed. The engine runs the text's projection (Z-Image: the
+pass: Klein 512 tokens; Z-Image a caption of `--caption-tokens` real tokens (default 100) padded to the shortest of
+128, 256, 512 holding it (`Z_IMAGE.lengths`), its length beside it, the rest masked out but computed. The engine runs the text's projection (Z-Image: the
 caption embedder and context refiner) once per request, not per step; it is timed here because diffusers' forward
 runs it at every step. Ours compiles (`lower().compile()`, timed on its own) and runs on one XLA CPU device (not the
 app's core pair: the transformer alone, not the engine's program). diffusers gets the same numbers as its pipelines
@@ -152,10 +152,10 @@ MODELS = {
         diffusers="FluxTransformer2DModel",
         **FLUX_LIKE,
     ),
-    "z-image": dict(  # ours: every caption padded to the pipeline's 512 tokens, its length beside it (data)
+    "z-image": dict(  # ours: a caption padded to the first of these holding it, its length beside it (data)
         config=Z_IMAGE_TURBO,
         layers=30 + 2 * 2,
-        text_tokens=512,
+        text_tokens=(128, 256, 512),
         latent=(8, 16),
         ours=("transformer_z_image", "ZImageTransformer2DModel", "ZImageTransformerConfig"),
         diffusers="ZImageTransformer2DModel",
@@ -295,11 +295,11 @@ def inputs(model: str, size: int, batch: int, caption: int) -> dict[str, np.ndar
     encoder's states [batch, text_tokens, width] and, for SD 3.5 and FLUX.1, pooled text; for Z-Image each row's
     caption length (`caption` real tokens, the rest padding that is masked out)."""
     spec, rng = MODELS[model], np.random.default_rng(0)
-    cell, channels = spec["latent"]
-    config = spec["config"]
+    (cell, channels), config, tokens = spec["latent"], spec["config"], spec["text_tokens"]
+    tokens = next(n for n in tokens if n >= caption) if isinstance(tokens, tuple) else tokens
     values = dict(
         x=rng.standard_normal((batch, size // cell, size // cell, channels)).astype(np.float32),
-        text=rng.standard_normal((batch, spec["text_tokens"], config[spec["text_width"]])).astype(np.float32),
+        text=rng.standard_normal((batch, tokens, config[spec["text_width"]])).astype(np.float32),
     )
     if "pooled_projection_dim" in config:
         values["pooled"] = rng.standard_normal((batch, config["pooled_projection_dim"])).astype(np.float32)
@@ -522,8 +522,8 @@ def main() -> None:
         parser.error(f"ours-w8a8 computes Z-Image's and Klein's blocks in int8; {args.model} is not offered w8a8")
     if args.size % 16 or args.size < 16:
         parser.error(f"--size {args.size}: a positive multiple of 16 (8 pixels a latent, 2 latents a token)")
-    if not 1 <= args.caption_tokens <= MODELS["z-image"]["text_tokens"]:
-        parser.error(f"--caption-tokens {args.caption_tokens}: 1 to {MODELS['z-image']['text_tokens']}")
+    if not 1 <= args.caption_tokens <= MODELS["z-image"]["text_tokens"][-1]:
+        parser.error(f"--caption-tokens {args.caption_tokens}: 1 to {MODELS['z-image']['text_tokens'][-1]}")
     config = config_at(args.model, args.layers)
     count = check_memory(args.model, config)
     args.folder.mkdir(parents=True, exist_ok=True)

@@ -140,10 +140,28 @@ def test_a_prompt_past_512_tokens_is_cut_where_the_pipeline_cuts_it(zimage):
     assert np.abs(longer.arrays - got).max() == 0
 
 
+def test_a_prompt_is_padded_to_the_shortest_length_holding_it_and_a_guided_negative_prompt(zimage):
+    """128 tokens for a short prompt (the text encoder and each step's caption tokens run over a quarter of the
+    512), 256 or 512 for longer ones, and a negative prompt counts where guidance reads it; past 512 the prompt is
+    cut (the test above), so 512 is the longest."""
+    _, engine, _ = zimage
+
+    def padded(prompt: str, **fields) -> int:
+        request = GenerationRequest(prompt=prompt, height=32, width=32, **fields)
+        return engine.plan(engine.limits.resolve(request, engine.defaults, 1)).text_tokens
+
+    digits = "0123456789" * 20  # each digit a token: 200 of them
+    assert padded(PROMPT) == 128
+    assert padded(PROMPT + ", " + digits) == 256
+    assert padded(PROMPT + ", " + digits * 3) == 512  # 600 digits: cut at 512
+    assert padded(PROMPT, negative_prompt=digits, guidance_scale=4.0) == 256
+    assert padded(PROMPT, negative_prompt=digits, guidance_scale=1.0) == 128  # unguided: the negative is not read
+
+
 def test_mixed_requests_share_a_batch_and_get_their_own_pictures(zimage):
-    """Two sizes, prompts of different lengths, step counts and guidance scales, in the two plans the test above
-    compiled: each request's picture is the one it draws alone, and nothing is compiled anew, because a caption's
-    length is data."""
+    """Two sizes, prompts of different lengths, step counts and guidance scales, in the two plans
+    test_pictures_match_diffusers compiled: each request's picture is the one it draws alone, and nothing is compiled anew, because a caption's
+    length within the 128 tokens every one of these prompts is padded to is data."""
     _, engine, _ = zimage
     wide = dict(height=32, width=48, guidance_scale=3.0)
     mixed = [

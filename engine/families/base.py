@@ -121,6 +121,10 @@ class TextSide:
     chunked_prompts: bool = True
     # Whether requests may skip CLIP's last layers (`clip_skip`); False where the pipeline reads only a pooled vector
     clip_skip: bool = True
+    # A text side that pads each prompt to one of a few lengths (Z-Image, whose padding nothing reads): from the
+    # folder, (prompt, negative prompt or None when unguided) -> the length both are padded to, a static length of
+    # the request's plan (`Plan.text_tokens`) that `extra_inputs` reads. None: every prompt has the one length.
+    padded_length: Callable[[Any], Callable[[str, str | None], int]] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class LoadedModel:
     embeddings: Embeddings = NO_EMBEDDINGS
     # Whether the model takes classifier-free guidance: not a step-distilled folder's (`Sampling.distilled`)
     guided: bool = True
+    # (prompt, negative prompt or None) -> the length both are padded to (`TextSide.padded_length`); None: one length
+    padded_length: Callable[[str, str | None], int] | None = None
 
     @property
     def vae_scale_factor(self) -> int:
@@ -251,6 +253,7 @@ def load_model_folder(
         example_prompts=examples,
         max_clip_skip=min(configs[name].num_hidden_layers for name in text.encoders) - 1 if text.clip_skip else 0,
         extra_inputs=text.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
+        padded_length=None if text.padded_length is None else text.padded_length(folder),
         config_folder=folder if single is not None else None,
         guided=not family.sampling.distilled(folder.index),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,6 +34,14 @@ class QwenPrompt:
     # Whether the embeddings include the padding's rows. Where they do not (Z-Image keeps the real tokens only),
     # the padding changes nothing that is read (causal, right-padded), so fewer than 512 tokens may be run.
     reads_padding: bool = True
+    # Where the padding is not read: the lengths a prompt is padded to, shortest first (`padded_length`), so that a
+    # short prompt runs the text encoder and the denoiser's caption tokens over a quarter of the 512. Each is a
+    # static length of its plan (`Plan.text_tokens`): a few, to bound the programs compiled.
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.lengths and (self.reads_padding or self.lengths[-1] != self.max_sequence_length):
+            raise ValueError("lengths: only where the padding is not read, the longest max_sequence_length")
 
     def tokenize(
         self, tokenizer: QwenTokenizer, prompts: list[str], max_length: int | None = None, what: str = "prompt"
@@ -42,6 +51,13 @@ class QwenPrompt:
         rows = [tokenizer.chat(p, length, what, enable_thinking=self.enable_thinking) for p in prompts]
         warnings = [w for _, _, found in rows for w in found]
         return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows]), warnings
+
+    def padded_length(self, tokenizer: QwenTokenizer, prompt: str, negative_prompt: str | None) -> int:
+        """The shortest of `lengths` that holds the prompt and the negative prompt (None: unguided), each rendered
+        in the chat template; the longest where none does (the tokens past it are cut) or where there are none."""
+        texts = [prompt] if negative_prompt is None else [prompt, negative_prompt]
+        need = max(tokenizer.chat_length(t, enable_thinking=self.enable_thinking) for t in texts)
+        return next((n for n in self.lengths if n >= need), self.max_sequence_length)
 
     def layers(self, config: Qwen3Config) -> int:
         """How many of the encoder's layers this reading needs: build `Qwen3Model(config, rngs, num_layers=...)`."""
@@ -64,8 +80,13 @@ class QwenPrompt:
             on_host=functools.partial(host_qwen3, hidden_layers=self.hidden_layers),
             chunked_prompts=False,
             clip_skip=False,
+            padded_length=self.folder_padded_length if self.lengths else None,
         )
 
+    def folder_padded_length(self, folder: Any) -> Callable[[str, str | None], int]:
+        """`padded_length` with the folder's tokenizer: `TextSide.padded_length`."""
+        return functools.partial(self.padded_length, QwenTokenizer(folder.component("tokenizer")))
 
-Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False)
+
+Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False, lengths=(128, 256, 512))
 FLUX2_KLEIN = QwenPrompt(enable_thinking=False, hidden_layers=(9, 18, 27))

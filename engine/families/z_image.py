@@ -3,10 +3,12 @@
 Mirrors diffusers' `ZImagePipeline`, `ZImageImg2ImgPipeline` and `ZImageInpaintPipeline` (Tongyi-MAI 2025). The
 prompt is one user message in Qwen3's chat template with the generation prompt (`enable_thinking=True`: no think
 block), cut at 512 tokens; the encoder sees the attention mask and the pipeline keeps `hidden_states[-2]` of the
-real tokens only (`qwen_prompt.Z_IMAGE`). Here every prompt is padded to those 512 tokens and its mask travels
-beside it (`Conditioning.context_mask`): the transformer reads each caption's own length as data, so prompts of
-any length share one program, and the padding changes nothing that is read (causal attention, right padding, keys
-past each caption masked out in the transformer). The caption goes through the transformer's `cap_embedder` and
+real tokens only (`qwen_prompt.Z_IMAGE`). Here a prompt is padded to the shortest of 128, 256 and 512 tokens that
+holds it and its negative prompt (`Plan.text_tokens`: a short prompt runs the text encoder over a quarter of the
+512, and each step's caption tokens too), and its mask travels beside it (`Conditioning.context_mask`): the
+transformer reads each caption's own length as data, so prompts padded alike share one program, and the padding
+changes nothing that is read (causal attention, right padding, keys past each caption masked out in the
+transformer). The caption goes through the transformer's `cap_embedder` and
 context refiner once per request (`project`), not at every step.
 
 The latents are FLUX.1's VAE's 16 channels, scaled and shifted by its config; the transformer packs 2x2 patches
@@ -80,15 +82,15 @@ def prompt_inputs(
     plan: Any, prompt: str, negative_prompt: str | None, tokenizer: QwenTokenizer, host: HostEncoder | None
 ) -> dict:
     """The prompt (and, guided, the negative prompt) as the pipeline tokenizes them: ids int32 and mask bool
-    [1, 512] each, padded on the right; with the text encoder on the host, its `hidden_states[-2]` for those ids
-    in place of the ids."""
+    [1, plan.text_tokens] each (the shortest of `Z_IMAGE.lengths` holding both; 512 without a length), padded on
+    the right; with the text encoder on the host, its `hidden_states[-2]` for those ids in place of the ids."""
     texts = {
         "qwen": (prompt, "prompt"),
         **({"neg_qwen": (negative_prompt or "", "negative prompt")} if plan.guidance else {}),
     }
     out = {}
     for key, (text, what) in texts.items():
-        ids, mask, _ = Z_IMAGE.tokenize(tokenizer, [text], what=what)
+        ids, mask, _ = Z_IMAGE.tokenize(tokenizer, [text], max_length=plan.text_tokens or None, what=what)
         out[f"{key}_mask"] = mask
         if host is None:
             out[f"{key}_ids"] = ids

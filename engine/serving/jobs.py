@@ -73,13 +73,18 @@ class Jobs:
         factor = self.model.vae_scale_factor
         # A model that reads the scale as an embedding (LCM) never takes the unconditional row.
         by_embedding = FAMILIES[self.model.family].denoiser.guided_by_embedding(self.model.denoiser_config)
+        guidance = r.guided and self.model.guided and not by_embedding
+        # A text side that pads prompts to one of a few lengths: the one this request's prompts take
+        negative = (r.negative_prompt or "") if guidance else None
+        padded_length = self.model.padded_length
+        text_tokens = 0 if padded_length is None else padded_length(r.prompt, negative)
         return Plan(
             batch=self.batch_size,
             latent_height=r.height // factor,
             latent_width=r.width // factor,
             scheduler=r.scheduler,
             max_steps=self.limits.max_steps,
-            guidance=r.guided and self.model.guided and not by_embedding,
+            guidance=guidance,
             family=self.model.family,
             clip_skip=int(r.clip_skip),
             chunks=chunks,
@@ -89,6 +94,7 @@ class Jobs:
             deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
             token_merging=float(r.token_merging),
             references=tuple((h, w) for w, h in (reference_size(self.limits, p) for p in r.references or ())),
+            text_tokens=text_tokens,
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
