@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("JAX_SD_VAE") or None,
         help="a diffusers-format VAE folder or Hub id in place of the model's own (env JAX_SD_VAE): an AutoencoderKL "
         "(stabilityai/sd-vae-ft-mse) or a tiny AutoencoderTiny (madebyollin/taesd, taesdxl), which decodes in a "
-        "fraction of the time and draws every preview as a real picture",
+        "fraction of the time and draws every preview as a real picture; a tiny VAE also as madebyollin/taesd's own "
+        "files: one (taesd_decoder.safetensors, taef2_decoder.pth), or a folder or Hub id holding its encoder and "
+        "decoder files (a decoder alone refuses image to image, inpainting and references)",
     )
     parser.add_argument(
         "--t5",

@@ -201,6 +201,9 @@ class Limits:
     min_references: int = 0  # reference pictures a request must bring: a model that only edits (FLUX.1 Kontext: 1)
     # (width, height) a reference is drawn at, the nearest its aspect (FLUX.1 Kontext's); empty: `reference_pixels`
     reference_resolutions: tuple[tuple[int, int], ...] = ()
+    # The VAE reads pictures: False for a tiny VAE's decoder alone (`--vae taesd_decoder.safetensors`), which refuses
+    # the requests that bring one to read (image to image, inpainting, references; hires fix offers latent upscalers)
+    encodes: bool = True
 
     @property
     def min_side(self) -> int:
@@ -278,6 +281,7 @@ class Limits:
         self._check_deep_cache(r)
         self._check_token_merging(r)
         self._check_adapters(r)
+        self._check_encodes(r)
         _check_hires_options(self, r)  # before the images': hires_strength has become the strength
         self._check_images(r)
         check_references(self, r)
@@ -354,6 +358,17 @@ class Limits:
         for name, weight in r.lora_scales.items():
             if not _number(weight) or not math.isfinite(weight) or not low <= weight <= high:
                 raise InvalidRequest(f"LoRA {name!r} weight must be a number from {low:g} to {high:g}, got {weight!r}")
+
+    def _check_encodes(self, r: GenerationRequest) -> None:
+        if self.encodes:
+            return
+        given = (["image"] if r.image is not None else []) + (["references"] if r.references else [])
+        if given:
+            raise InvalidRequest(
+                f"this server's VAE is a tiny VAE's decoder alone: it draws pictures but cannot read one, so send no "
+                f"{' or '.join(given)} (image to image, inpainting and reference pictures need its encoder; the "
+                "server takes both as --vae FOLDER holding the encoder file beside the decoder's)"
+            )
 
     def _check_images(self, r: GenerationRequest) -> None:
         if r.image is not None and not isinstance(r.image, Image.Image):

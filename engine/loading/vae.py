@@ -8,22 +8,29 @@ matched). The VAE must draw the latents the model's UNet draws: the same channel
 latent, or it is refused by name. Sampling reads only what both classes share: `encode` -> (mean, logvar),
 `decode`, and the config's `scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`, `latent_channels`,
 `vae_scale_factor`.
+
+A tiny VAE also comes in madebyollin/taesd's own files, without config.json (`taesd_files.py`): one file, or a folder
+or Hub repository holding them (madebyollin/taef2). A decoder alone draws pictures and previews but reads none: the
+requests that need a picture read (image to image, inpainting, reference pictures, hires fix through an upscaler
+of pixels) are refused by name (`request.Limits.encodes`), and a model that cannot draw without one is refused at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from flax import nnx
 
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, SourceError, WeightsError
 from ..models.autoencoder_tiny import AutoencoderTiny
 from ..models.config import AutoencoderTinyConfig, VAEConfig
 from ..models.vae import AutoencoderKL
-from .sources import component_folder, component_weight_files
+from . import taesd_files
+from .sources import component_folder, component_weight_files, hub_files_or_cache, hub_snapshot
 from .weights import convert, read_safetensors
 
 # config.json `_class_name` -> (config, model)
@@ -38,6 +45,7 @@ class LoadedVAE:
     config: VAEConfig | AutoencoderTinyConfig
     graphdef: nnx.GraphDef
     params: nnx.State  # host numpy arrays in the run dtype (f32 where fp16 would overflow: `force_upcast`)
+    encodes: bool = True  # False for a tiny VAE's decoder alone: it draws pictures but reads none
 
 
 def read_vae_config(
@@ -57,9 +65,13 @@ def read_vae_config(
 
 def load_vae(source: str | Path, dtype: str = "float32") -> LoadedVAE:
     """A diffusers-format VAE folder (config.json + diffusion_pytorch_model*.safetensors), a pipeline folder's
-    `vae/` sub-folder, or a Hub id (either layout); every tensor must fit (missing ones are named)."""
+    `vae/` sub-folder, or a Hub id (either layout); or a tiny VAE in madebyollin/taesd's files: one file, a folder or
+    a Hub id holding them without config.json. Every tensor must fit (missing ones are named)."""
+    found = vae_files(source)
+    if isinstance(found, list):
+        return load_tiny_vae_files(source, found, dtype)
     variant = "fp16" if dtype in ("float16", "bfloat16") else None
-    root = component_folder(source, "VAE", "vae", variant)
+    root = component_folder(found, "VAE", "vae", variant)
     class_name, cfg = read_vae_config(root / "config.json")
     if cfg is None:
         raise SourceError(
@@ -73,9 +85,64 @@ def load_vae(source: str | Path, dtype: str = "float32") -> LoadedVAE:
     return LoadedVAE(name=str(source), class_name=class_name, config=cfg, graphdef=graphdef, params=params)
 
 
-def attach_vae(model, vae: LoadedVAE):
+def _diffusers_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or (folder / "vae" / "config.json").is_file()
+
+
+def vae_files(source: str | Path) -> list[Path] | str | Path:
+    """The taesd.py files `source` names (a file; a folder, or a Hub repository's top, without config.json), or what
+    `component_folder` reads a diffusers-format VAE from: `source` itself, or the local snapshot an offline Hub id
+    found (and `component_folder` refuses what is neither a path nor a Hub id)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return source if _diffusers_folder(path) else taesd_files.folder_files(path, str(source))
+    if not (isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source)):
+        return source
+    hint = f"cannot fetch the VAE {source!r} from the Hugging Face Hub and it is not in the local cache"
+    names = hub_files_or_cache(source, hint)
+    if isinstance(names, Path):  # offline: the local snapshot is all there is
+        return names if _diffusers_folder(names) else taesd_files.folder_files(names, source)
+    if "config.json" in names or "vae/config.json" in names:
+        return source
+    if not taesd_files.weight_files(names):
+        raise SourceError(
+            f"{source}: the Hub repository holds neither a diffusers-format VAE (config.json) nor a tiny VAE in "
+            f"madebyollin/taesd's files ({', '.join('*' + s for s in taesd_files.SUFFIXES)} at its top)"
+        )
+    return taesd_files.folder_files(hub_snapshot(source, hint, taesd_files.weight_files), source)
+
+
+def load_tiny_vae_files(source: str | Path, files: list[Path], dtype: str) -> LoadedVAE:
+    """A tiny VAE from taesd.py's files, its config read from their shapes (`taesd_files`); built without an
+    encoder when none is given."""
+    where = str(source)
+    tiny = taesd_files.read_tiny_vae(files, where)
+    try:
+        graphdef, params = convert(
+            lambda: AutoencoderTiny(tiny.config, nnx.Rngs(0), encoder=tiny.encodes), tiny.tensors, dtype, where=where
+        )
+    except WeightsError as err:
+        raise taesd_files.check_fits(where, err) from err
+    return LoadedVAE(where, "AutoencoderTiny", tiny.config, graphdef, params, encodes=tiny.encodes)
+
+
+def vae_encodes(params: nnx.State) -> bool:
+    """Whether the VAE in a model's param tree reads pictures: every VAE but a tiny one's decoder alone."""
+    return "encoder" in params["vae"]
+
+
+def attach_vae(model, vae: LoadedVAE, reads_pictures: bool = False):
     """`model` (a `families.loader.LoadedModel`) with `vae` as `Models.vae` in its one param tree and as its
-    `vae_config`. Refuses a VAE whose latents are not the UNet's: other channels, or other pixels per latent."""
+    `vae_config`. Refuses a VAE whose latents are not the UNet's: other channels, or other pixels per latent; and a
+    decoder alone where every request reads a picture (`reads_pictures`: an inpainting model, one that only edits)."""
+    if reads_pictures and not vae.encodes:
+        raise SourceError(
+            f"VAE {vae.name} is a tiny VAE's decoder alone, and the model {model.name} reads a picture in every "
+            "request, which needs its encoder: give the folder holding both files (e.g. taesd_encoder.safetensors "
+            "beside taesd_decoder.safetensors)"
+        )
     problems = []
     want = model.unet_latent_channels
     if vae.config.latent_channels != want:

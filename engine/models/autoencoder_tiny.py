@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InvalidRequest
 from ..nn.layers import Conv, _inits, conv, group_norm
 from .config import AutoencoderTinyConfig
 
@@ -152,9 +153,12 @@ class DecoderTiny(nnx.Module):
 
 
 class AutoencoderTiny(nnx.Module):
-    def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs):
+    """`encoder=False`: a decoder alone (taesd.py's `taesd_decoder` file without its encoder), which draws pictures
+    but reads none; `encode` refuses by name."""
+
+    def __init__(self, cfg: AutoencoderTinyConfig, rngs: nnx.Rngs, encoder: bool = True):
         self.config = cfg
-        self.encoder = EncoderTiny(cfg, rngs)
+        self.encoder = EncoderTiny(cfg, rngs) if encoder else None
         self.decoder = DecoderTiny(cfg, rngs)
 
     def _dtype(self):
@@ -166,6 +170,8 @@ class AutoencoderTiny(nnx.Module):
         As `AutoencoderKL.encode`'s (mean, logvar), unscaled: the encoder is deterministic, so the latents are
         the mean and the logvar is the clipped floor everywhere (callers take the mean).
         """
+        if self.encoder is None:
+            raise InvalidRequest("this tiny VAE is a decoder alone: it draws pictures but cannot read one")
         x = ((images.astype(jnp.float32) + 1) / 2).astype(self._dtype())  # TAESD reads [0, 1]
         latents = self.encoder(x).astype(jnp.float32)
         return latents, jnp.full_like(latents, ZERO_VARIANCE_LOGVAR)

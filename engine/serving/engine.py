@@ -31,6 +31,7 @@ from ..families.loader import LoadedModel
 from ..loading.lora import LoRAFactors
 from ..loading.quantize import computes_in_int8
 from ..loading.upscaler_folder import UpscalerFolder
+from ..loading.vae import vae_encodes
 from ..nn import int8, onednn
 from ..request import GenerationRequest, GenerationResult, Limits, common_sizes
 from ..sampling import pairs
@@ -74,6 +75,7 @@ def _model_limits(model: LoadedModel, factor: int, devices: int, loras: tuple, u
     """What a model's requests may ask for; `factor`: one denoiser token's pixels."""
     denoiser = FAMILIES[model.family].denoiser
     unet_levels = denoiser.denoise_shallow is not None  # DeepCache, token merging
+    encodes = vae_encodes(model.params)
     return Limits(
         schedulers=schedulers.compatible(model.scheduler_config),  # a flow model's kinds, or the others
         side_multiple=factor,
@@ -84,9 +86,11 @@ def _model_limits(model: LoadedModel, factor: int, devices: int, loras: tuple, u
         loras=loras,
         max_deep_cache=MAX_DEEP_CACHE if unet_levels else 0,
         max_token_merging=MAX_TOKEN_MERGING if unet_levels else 0.0,
-        # Hires fix redraws a text-to-image picture as image to image: not for a model that only repaints.
-        upscalers=() if model.variant.needs else (*LATENT_UPSCALERS, *upscalers),
+        # Hires fix redraws a text-to-image picture as image to image: not for a model that only repaints; with a
+        # VAE that reads no pictures (a tiny decoder alone), from the latents only.
+        upscalers=() if model.variant.needs else (*LATENT_UPSCALERS, *(upscalers if encodes else ())),
         **reference_limits(denoiser.references),  # a model that edits takes reference pictures
+        encodes=encodes,
     )
 
 

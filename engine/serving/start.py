@@ -125,8 +125,10 @@ def load_pipeline(
     kernels.
     `vae`: a diffusers-format VAE folder (or a pipeline folder's `vae/`) or Hub id that draws in place of the
     model's own: an `AutoencoderKL` (stabilityai/sd-vae-ft-mse) or an `AutoencoderTiny` (madebyollin/taesd for
-    SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures);
-    refused at load if its latents are not the UNet's. `t5`: where SD3's and FLUX.1's T5 encoder runs: "device" with
+    SD 1.x/2.x, taesdxl for SDXL: decodes in a fraction of the time, and previews become decoded pictures), also in
+    madebyollin/taesd's own files (`taesd_decoder.safetensors`, `taef2_encoder.pth`: one file, or a folder or Hub
+    id holding them; a decoder alone refuses the requests that read a picture); refused at load if its latents are
+    not the UNet's. `t5`: where SD3's and FLUX.1's T5 encoder runs: "device" with
     the other networks, "host" (its 9.5 GB of bf16 weights kept in host memory, run on the CPU once per request), or
     "off" (SD3 only: zeros in its place, as diffusers runs a folder without it). `embeddings`: a folder of textual
     inversion embeddings (A1111's `embeddings/`: `.pt`, `.bin`, `.safetensors`) or one file, each called in prompts by
@@ -160,7 +162,9 @@ def load_pipeline(
         if given and what not in adapters:
             raise ConfigError(f"{model.label} models take no {label} yet: start without one")
     if vae is not None:
-        model = attach_vae(model, load_vae(vae, dtype))
+        references = FAMILIES[model.family].denoiser.references
+        edits_only = references is not None and references.min_count > 0
+        model = attach_vae(model, load_vae(vae, dtype), reads_pictures=bool(model.variant.needs) or edits_only)
     if controlnet is not None:
         model = attach_controlnet(model, load_controlnet(controlnet, dtype))
     if embeddings is not None and not (embeddings_where_taken and not encoder_parts(FAMILIES[model.family])):
