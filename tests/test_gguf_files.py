@@ -208,5 +208,7 @@ def test_a_gguf_of_no_known_layout_is_refused_with_what_it_holds(flux, tmp_path)
     _, folder, _, _ = flux
     unknown = tmp_path / "unknown.gguf"
     write_gguf(unknown, {"blocks.0.w": np.zeros((4, 32), np.float32)}, {"blocks.0.w": Q.F32})
-    with pytest.raises(SourceError, match="not a FLUX.1 .flux., Stable Diffusion 3 .sd3. transformer.*blocks.0"):
+    with pytest.raises(
+        SourceError, match=r"not a FLUX.1, Stable Diffusion 3, Z-Image, FLUX.2 \[klein\] transformer.*blocks.0"
+    ):
         load_model_folder(unknown, "float32", config=folder)

@@ -1,8 +1,10 @@
-"""The original layouts of FLUX.1's and SD 3's transformers (Black Forest Labs' `double_blocks.N.img_attn.qkv`,
-Stability's MMDiT `joint_blocks.N.x_block.attn.qkv`) renamed to diffusers' names, which are our parameter paths.
+"""The original layouts of the DiT transformers renamed to diffusers' names, which are our parameter paths: FLUX.1's
+and FLUX.2's (Black Forest Labs' `double_blocks.N.img_attn.qkv`), SD 3's (Stability's MMDiT
+`joint_blocks.N.x_block.attn.qkv`) and Z-Image's (ComfyUI's `layers.N.attention.qkv`).
 
-The same tables as diffusers' `convert_flux_transformer_checkpoint_to_diffusers` and
-`convert_sd3_transformer_checkpoint_to_diffusers` (single_file_utils.py): fused q/k/v projections (and FLUX's
+The same tables as diffusers' `convert_flux_transformer_checkpoint_to_diffusers`,
+`convert_flux2_transformer_checkpoint_to_diffusers`, `convert_sd3_transformer_checkpoint_to_diffusers` and
+`convert_z_image_transformer_checkpoint_to_diffusers` (single_file_utils.py): fused q/k/v projections (and FLUX.1's
 single blocks' q/k/v/MLP input) are cut into diffusers' separate ones along the output axis, and the final
 adaptive norms' (and SD3's last context block's) shift-then-scale halves swap to diffusers' scale-then-shift. The
 widths come from the tensors' shapes, never from a constant, so any size of model converts.
@@ -197,6 +199,111 @@ def sd3_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
         _whole(plan, {f"{ours}.{k}": v for k, v in norms.items()}, names, ends=("weight",))
     for end in ("weight", "bias"):
         plan[f"norm_out.linear.{end}"] = Take(f"final_layer.adaLN_modulation.1.{end}", swap=True)
+    return plan
+
+
+def flux2_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
+    """BFL's FLUX.2 names -> diffusers' Flux2Transformer2DModel names ([klein] 4B and 9B, and [dev]'s guidance
+    embedder where a file has one). The double blocks' fused q/k/v are cut in thirds; the single blocks keep their
+    fused q/k/v/MLP input (diffusers' `to_qkv_mlp_proj`) whole; the modulations are shared by every block of a stream
+    (`double_stream_modulation_img.lin`...), renamed only; the final adaptive norm swaps to scale-then-shift. No
+    FLUX.2 layer has a bias, but one that a file holds is renamed with its weight (and refused by the loader)."""
+    names = set(shapes)
+    inner = shapes["img_in.weight"][0]
+    plan: Plan = {}
+    _whole(
+        plan,
+        {
+            "x_embedder": "img_in",
+            "context_embedder": "txt_in",
+            "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+            "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+            "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",  # [dev] only
+            "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+            "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+            "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+            "single_stream_modulation.linear": "single_stream_modulation.lin",
+            "proj_out": "final_layer.linear",
+        },
+        names,
+    )
+    for i in range(_count(names, r"double_blocks\.(\d+)\.")):
+        ours, theirs = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        _whole(
+            plan,
+            {
+                f"{ours}.attn.to_out.0": f"{theirs}.img_attn.proj",
+                f"{ours}.attn.to_add_out": f"{theirs}.txt_attn.proj",
+                f"{ours}.ff.linear_in": f"{theirs}.img_mlp.0",
+                f"{ours}.ff.linear_out": f"{theirs}.img_mlp.2",
+                f"{ours}.ff_context.linear_in": f"{theirs}.txt_mlp.0",
+                f"{ours}.ff_context.linear_out": f"{theirs}.txt_mlp.2",
+            },
+            names,
+        )
+        _split(plan, f"{theirs}.img_attn.qkv", [f"{ours}.attn.to_{x}" for x in "qkv"], [inner] * 3, names)
+        _split(plan, f"{theirs}.txt_attn.qkv", [f"{ours}.attn.add_{x}_proj" for x in "qkv"], [inner] * 3, names)
+        for ours_norm, theirs_norm in (
+            ("norm_q", "img_attn.norm.query_norm"),
+            ("norm_k", "img_attn.norm.key_norm"),
+            ("norm_added_q", "txt_attn.norm.query_norm"),
+            ("norm_added_k", "txt_attn.norm.key_norm"),
+        ):
+            plan[f"{ours}.attn.{ours_norm}.weight"] = Take(f"{theirs}.{theirs_norm}.scale")
+    for i in range(_count(names, r"single_blocks\.(\d+)\.")):
+        ours, theirs = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        _whole(
+            plan,
+            {f"{ours}.attn.to_qkv_mlp_proj": f"{theirs}.linear1", f"{ours}.attn.to_out": f"{theirs}.linear2"},
+            names,
+        )
+        plan[f"{ours}.attn.norm_q.weight"] = Take(f"{theirs}.norm.query_norm.scale")
+        plan[f"{ours}.attn.norm_k.weight"] = Take(f"{theirs}.norm.key_norm.scale")
+    for end in ("weight", "bias"):
+        if f"final_layer.adaLN_modulation.1.{end}" in names:
+            plan[f"norm_out.linear.{end}"] = Take(f"final_layer.adaLN_modulation.1.{end}", swap=True)
+    return plan
+
+
+def z_image_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
+    """ComfyUI's Z-Image names (Lumina 2's NextDiT layout, as `z_image_turbo_bf16.safetensors` has them) -> diffusers'
+    ZImageTransformer2DModel names. Most names are the same in both; each attention's fused q/k/v is cut in thirds,
+    its `out` is diffusers' `to_out.0` and its `q_norm`/`k_norm` are `norm_q`/`norm_k`, and the patch embedder and
+    final layer sit under diffusers' per-patch-size key `2-1` (patches of 2x2, one frame). The final layer's
+    modulation is shift-then-scale in both (diffusers' converter swaps nothing)."""
+    names = set(shapes)
+    plan: Plan = {name: Take(name) for name in ("x_pad_token", "cap_pad_token") if name in names}
+    _whole(
+        plan,
+        {
+            "all_x_embedder.2-1": "x_embedder",
+            "all_final_layer.2-1.linear": "final_layer.linear",
+            "all_final_layer.2-1.adaLN_modulation.1": "final_layer.adaLN_modulation.1",
+            "t_embedder.mlp.0": "t_embedder.mlp.0",
+            "t_embedder.mlp.2": "t_embedder.mlp.2",
+            "cap_embedder.0": "cap_embedder.0",
+            "cap_embedder.1": "cap_embedder.1",
+        },
+        names,
+    )
+    for stack in ("noise_refiner", "context_refiner", "layers"):
+        for i in range(_count(names, rf"{stack}\.(\d+)\.")):
+            block = f"{stack}.{i}"
+            attention = f"{block}.attention"
+            inner = shapes[f"{attention}.qkv.weight"][0] // 3
+            _split(plan, f"{attention}.qkv", [f"{attention}.to_{x}" for x in "qkv"], [inner] * 3, names)
+            same = [f"{block}.feed_forward.w{n}" for n in (1, 2, 3)] + [f"{block}.adaLN_modulation.0"]
+            same += [f"{block}.{norm}" for norm in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")]
+            _whole(
+                plan,
+                {
+                    f"{attention}.to_out.0": f"{attention}.out",
+                    f"{attention}.norm_q": f"{attention}.q_norm",
+                    f"{attention}.norm_k": f"{attention}.k_norm",
+                    **{name: name for name in same},
+                },
+                names,
+            )
     return plan
 
 
