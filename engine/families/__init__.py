@@ -10,8 +10,8 @@ denoiser, the latent format, the sampling defaults) and its `VARIANTS` (tasks: t
 the folder's widths by `find`).
 `loader.py` reads a diffusers folder into a `LoadedModel` by asking the folder's family; `single_file.py` reads
 a single-file checkpoint in the original layout as one, with a folder's configs, and `transformer_file.py` a FLUX.1
-or SD 3 transformer file (GGUF too), with a folder's text encoders and VAE. `qwen_prompt.py` says how the
-pipelines on a Qwen3 text encoder encode a prompt (chat template options, length, hidden layers). A new family
+(Kontext too), SD 3, Z-Image or FLUX.2 [klein] transformer file (GGUF too), with a folder's text encoders and VAE.
+`qwen_prompt.py` says how the pipelines on a Qwen3 text encoder encode a prompt (chat template options, length, hidden layers). A new family
 is one new module (its parts, most of them shared ones) and its name in the `FAMILIES` and `VARIANTS` lines.
 
 May import: `engine.errors`, `engine.models`, `engine.schedulers`, `engine.loading`. Imported by `sampling`,

@@ -161,10 +161,10 @@ def load_model_folder(
     CPU once per request (`loading.host_encoder`), or "off" (left out: zeros in its place, where the family allows
     it, as diffusers without it). Families without T5 ignore it.
 
-    A single-file checkpoint (`single_file.open_single_file`; FLUX.1's and SD3's transformer files and GGUFs,
-    `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or Hub id) or the
-    Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them), its
-    prediction type from `prediction_type` or a `.yaml` beside it;
+    A single-file checkpoint (`single_file.open_single_file`; FLUX.1's, SD3's, Z-Image's and FLUX.2's transformer
+    files and GGUFs, `transformer_file.open_transformer_file`) takes its configs from `config` (a diffusers folder or
+    Hub id) or the Hub repo of its kind (and a transformer file its text encoders and VAE too, unless it holds them),
+    its prediction type from `prediction_type` or a `.yaml` beside it;
     `safety_checker` has a Hub download of its configs include the repo's safety checker. `quantize`: each kernel it
     takes is quantized as its tensor is read, so the load never holds the float model beside its int8 copy: with
     "int8" those of `loading.quantize.int8_components` (the denoiser, a Qwen3 text encoder, on the devices or the
@@ -174,7 +174,7 @@ def load_model_folder(
         raise ConfigError(f"t5 must be one of {', '.join(T5_PLACES)}, not {t5!r}")
     weights_variant = "fp16" if dtype in ("float16", "bfloat16") else None
     single = None
-    if is_transformer_file(source):  # FLUX.1 / SD3: a transformer (or all-in-one) file, GGUF included
+    if is_transformer_file(source):  # a DiT's transformer (or all-in-one) file, GGUF included
         if prediction_type is not None:
             raise ConfigError(f"{source}: prediction_type= is for SD 2.x checkpoints; this is a flow-matching model")
         single = open_transformer_file(source, dtype, config)
