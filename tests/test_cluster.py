@@ -4,7 +4,9 @@ Fast tests check the parts without a cluster: the Serve config, the settings, an
 stand-in deployment handle (streaming, one retry when a replica dies, Stop, a full queue). The slow tests
 start a local Ray cluster on 127.0.0.1 with two replicas of the embedded model (one CPU each) and the
 page as its ingress, and drive it through `gradio_client` as users would: 16 users at once, a replica
-killed mid-run, and a clean shutdown that leaves no process behind.
+killed mid-run, and a clean shutdown that leaves no process behind. Beside them in the same Ray instance, an
+application of one FLUX.2 [klein] replica (tests/test_flux2_klein.py's tiny folder) behind a page of its own at
+/klein: an edit sent with a reference picture through its OpenAI door comes back the single-machine picture.
 """
 
 from __future__ import annotations
@@ -288,12 +290,24 @@ def replica_processes() -> set[int]:
     return found
 
 
-class LocalCluster:
-    """Ray on this machine (2 CPUs, no dashboard), Serve's proxy on a free 127.0.0.1 port, the app running."""
+@dataclasses.dataclass(frozen=True)
+class App:
+    """One Serve application of the cluster: a page at `route_prefix` over `replicas` replicas of one model."""
 
-    def __init__(self, workdir: Path, settings: ClusterSettings, replicas: int, before_deploying=lambda: None):
+    name: str
+    route_prefix: str
+    settings: ClusterSettings
+    replicas: int
+
+
+class LocalCluster:
+    """Ray on this machine (one CPU per replica, no dashboard), Serve's proxy on a free 127.0.0.1 port, the apps
+    running."""
+
+    def __init__(self, workdir: Path, apps: list[App], before_deploying=lambda: None):
         import ray
         from ray import serve
+        from ray.serve.api import RunTarget
         from ray.serve.schema import LoggingConfig
 
         import cluster
@@ -312,7 +326,7 @@ class LocalCluster:
         self.url = f"http://127.0.0.1:{self.port}/"
         started = time.perf_counter()
         ray.init(
-            num_cpus=REPLICAS,
+            num_cpus=sum(app.replicas for app in apps),  # one each
             include_dashboard=False,
             object_store_memory=128 * 2**20,
             runtime_env={"env_vars": env},
@@ -322,9 +336,17 @@ class LocalCluster:
         self.ray_s = time.perf_counter() - started
         before_deploying()  # the replicas load their programs from the compile cache once it is filled
         deploying = time.perf_counter()
-        app = cluster.application(settings, replica=cluster.EngineReplica.options(num_replicas=replicas))
         quiet = LoggingConfig(log_level="WARNING", enable_access_log=False)
-        serve.run(app, name="jax-sd", route_prefix="/", logging_config=quiet)
+        targets = [
+            RunTarget(
+                cluster.application(app.settings, replica=cluster.EngineReplica.options(num_replicas=app.replicas)),
+                name=app.name,
+                route_prefix=app.route_prefix,
+                logging_config=quiet,
+            )
+            for app in apps
+        ]
+        serve.run_many(targets)  # side by side, each running (its replicas warm) when this returns
         self.deploy_s = time.perf_counter() - deploying
         self.start_s = time.perf_counter() - started
         self.handle = serve.get_deployment_handle("EngineReplica", "jax-sd")
@@ -371,20 +393,63 @@ def single_machine_pictures(workdir: Path) -> dict[int, np.ndarray]:
     return pictures
 
 
+# FLUX.2 [klein] (tests/test_flux2_klein.py's tiny folder, saved distilled) in the same Ray instance: an application
+# of its own, one replica behind a page at /klein, since a replica serves one model. Its OpenAI door carries a
+# reference picture to edit from (a multipart image part), as clients send one.
+KLEIN = "klein"
+KLEIN_SIZE, KLEIN_STEPS, KLEIN_SEED = 32, 2, 21
+KLEIN_PROMPT = "a red cat on a mat"
+
+
+def klein_settings(folder: Path) -> ClusterSettings:
+    return ClusterSettings(
+        model=str(folder), max_batch_size=1, sizes=((KLEIN_SIZE, KLEIN_SIZE),), concurrency=2, queue_size=2
+    )
+
+
+def klein_reference() -> Image.Image:
+    """The picture sent to edit from: 64x64 (a reference's smallest side), drawn at the offered 32x32."""
+    from test_flux2_klein_edit import picture
+
+    return picture(64, 64, seed=1)
+
+
+def single_machine_klein(folder: Path) -> dict[str, np.ndarray]:
+    """Klein's tiny folder written to `folder`, and the single-machine engine's pictures, as its replica is set up:
+    the edit from `klein_reference` and, from the same seed, the text-to-image picture."""
+    from test_flux2_klein import build_reference
+
+    engine.enable_compile_cache()  # the session's, which Klein's replica reads
+    build_reference(folder.parent / "klein-parts").save_pretrained(folder)  # distilled
+    settings = klein_settings(folder)
+    pipe = engine.load_pipeline(folder, max_batch_size=settings.max_batch_size, sizes=settings.engine_sizes())
+    pipe.start_warmup(num_images=1)
+    pipe.warmup_state.done.wait()
+    plain = engine.GenerationRequest(KLEIN_PROMPT, seed=KLEIN_SEED, num_inference_steps=KLEIN_STEPS)
+    requests = {"edit": dataclasses.replace(plain, references=(klein_reference(),)), "plain": plain}
+    pictures = {
+        k: np.asarray(pipe.submit(r).result(timeout=DEADLINE_S).images[0], np.int16) for k, r in requests.items()
+    }
+    pipe.close()
+    return pictures
+
+
 @pytest.fixture(scope="module")
 def local_cluster(tmp_path_factory):
-    """The cluster, and the single-machine pictures (`.expected`) drawn while Ray starts."""
+    """The cluster, and the single-machine pictures (`.expected`, Klein's `.expected_klein`) drawn while Ray starts."""
     workdir = tmp_path_factory.mktemp("cluster")
     settings = ClusterSettings(max_batch_size=2, sizes=((SIZE, SIZE),), concurrency=2 * USERS, queue_size=2 * USERS)
+    apps = [App("jax-sd", "/", settings, REPLICAS), App(KLEIN, f"/{KLEIN}", klein_settings(workdir / KLEIN), 1)]
     ours_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with cf.ThreadPoolExecutor(1) as pool:
+    with cf.ThreadPoolExecutor(2) as pool:
         drawing = pool.submit(single_machine_pictures, workdir)
-        running = LocalCluster(workdir, settings, REPLICAS, before_deploying=drawing.result)
-    running.expected = drawing.result()
+        klein_drawing = pool.submit(single_machine_klein, workdir / KLEIN)
+        running = LocalCluster(workdir, apps, before_deploying=lambda: (drawing.result(), klein_drawing.result()))
+    running.expected, running.expected_klein = drawing.result(), klein_drawing.result()
     running.ours_before = ours_before
     print(
         f"Ray and Serve started in {running.ray_s:.1f} s; the single-machine pictures drawn; "
-        f"{REPLICAS} replicas and the page deployed in {running.deploy_s:.1f} s ({running.start_s:.1f} s in all)"
+        f"{REPLICAS} replicas, Klein's, and the pages deployed in {running.deploy_s:.1f} s ({running.start_s:.1f} s in all)"
     )
     yield running
     running.shutdown()
@@ -475,6 +540,36 @@ def test_the_rest_apis_on_the_cluster_draw_the_single_machine_pictures(local_clu
     with Image.open(io.BytesIO(base64.b64decode(encoded))) as image:
         drawn = np.asarray(image.convert("RGB"), np.int16)
     assert np.abs(drawn - local_cluster.expected[seed]).max() <= 1  # the same picture, up to rounding to 8 bits
+
+
+@pytest.mark.slow
+def test_a_klein_edit_through_the_clusters_openai_door_draws_the_single_machine_picture(local_cluster):
+    """The reference picture crosses Ray to Klein's replica inside the request, and the picture comes back: the
+    single-machine engine's edit, which its reference changes. A text-to-image request giving no size draws at the
+    one size offered (not the model's own 1024x1024, which the replica's warm-up would otherwise be refused)."""
+    import base64
+    import io
+
+    import requests
+
+    def picture(answer) -> np.ndarray:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["size"] == f"{KLEIN_SIZE}x{KLEIN_SIZE}"
+        with Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"]))) as image:
+            return np.asarray(image.convert("RGB"), np.int16)
+
+    buffer = io.BytesIO()
+    klein_reference().save(buffer, format="PNG")
+    body = dict(prompt=KLEIN_PROMPT, seed=KLEIN_SEED, num_inference_steps=KLEIN_STEPS)
+    doors = f"{local_cluster.url}{KLEIN}/v1/images/"
+    files = [("image", ("reference.png", buffer.getvalue(), "image/png"))]  # as the openai client sends one
+    edited = picture(requests.post(doors + "edits", data=body, files=files, timeout=DEADLINE_S))
+    plain = picture(requests.post(doors + "generations", json=body, timeout=DEADLINE_S))
+    expected = local_cluster.expected_klein
+    # The reference changes the picture (by 11/255 at most here: well past the comparisons' 1/255)
+    assert np.abs(expected["edit"] - expected["plain"]).max() > 5
+    assert np.abs(edited - expected["edit"]).max() <= 1  # the same pictures, up to rounding to 8 bits
+    assert np.abs(plain - expected["plain"]).max() <= 1
 
 
 @pytest.mark.slow

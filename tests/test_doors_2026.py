@@ -12,7 +12,7 @@ only edits (FLUX.1 Kontext) is checked over the stand-in engine.
 The cluster is Ray Serve's deployment code without Ray: an `EngineReplica` around the engine, its `describe` and
 `generate` called as the cluster calls them (the request, the description and the events through Ray's
 cloudpickle, as Ray sends them), and the page's `RemoteEngine` over them. Starting a local Ray cluster costs
-minutes on this machine, and tests/test_cluster.py does it for the embedded model.
+minutes on this machine, and tests/test_cluster.py does it for the embedded model and Klein's edits.
 """
 
 from __future__ import annotations

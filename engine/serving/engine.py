@@ -178,6 +178,10 @@ class Engine:
                         scheduler=self.defaults["scheduler"],
                     )
                 )
+            # A request without a size (and the warm-up) takes the default size: where the model's own is not
+            # offered, the offered one nearest it in aspect, then area, else every such request would be refused.
+            own = Image.new("1", (self.defaults["width"], self.defaults["height"]))
+            self.defaults["width"], self.defaults["height"] = self.limits.image_size(own)
         self.jobs = Jobs(model, self.limits, self.loras, self.batch_size, len(self.devices))
         # The safety checker (engine/models/safety.py), run in the decode program: "on", "off" or "none" (not shipped).
         self.safety_mode = "none" if safety is None else "on"
