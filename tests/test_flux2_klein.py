@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from engine import GenerationRequest, InvalidRequest, load_pipeline, schedulers
 from engine.errors import ConfigError
+from engine.families.base import PromptFit
 from engine.families.flux2 import empirical_mu
 from engine.schedulers import SchedulerConfig
 
@@ -168,6 +169,22 @@ def test_defaults_tell_distilled_from_base(klein):
         engine = engines[kind]
         assert engine.family == "flux2"
         assert (engine.defaults["num_inference_steps"], engine.defaults["guidance_scale"]) == (steps, guidance)
+
+
+def test_a_prompt_cut_at_512_tokens_says_what_was_dropped(klein):
+    """Klein reads its padding, so every prompt is padded to the pipeline's 512 tokens (no shorter length); a prompt
+    past them is cut, and the request's notes say what the cut dropped, the negative prompt's only where read."""
+    engine, long = klein[1]["base"], "a red circle, " + "0123456789" * 60  # each digit a token
+
+    def fit(**fields):
+        request = GenerationRequest(**{"prompt": "a red circle", "height": 32, "width": 32, **fields})
+        return engine.jobs.fit(engine.limits.resolve(request, engine.defaults, 1))
+
+    assert fit() == PromptFit(length=0, notes=())
+    cut = fit(prompt=long).notes
+    assert len(cut) == 1 and cut[0].startswith("prompt truncated to 512 Qwen tokens") and "0123456789" in cut[0]
+    assert fit(negative_prompt=long, guidance_scale=4.0).notes[0].startswith("negative prompt truncated")
+    assert fit(negative_prompt=long, guidance_scale=1.0).notes == ()  # unguided: the negative prompt is not read
 
 
 def test_mixed_requests_share_a_batch_and_get_their_own_pictures(klein):

@@ -18,6 +18,7 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokeni
 
 from engine import GenerationRequest, InvalidRequest, load_pipeline
 from engine.errors import ConfigError
+from engine.families.sd3 import T5_TOKENS
 from tools.tiny_tokenizer import write_tokenizer
 
 WORDS = ["a", "red", "circle", "on", "blue", "background", "photo", "blurry", "cat"]
@@ -114,6 +115,21 @@ def test_pictures_match_diffusers(sd3, case):
     got = run_ours(ours, start, prompt=PROMPT, scheduler="flow_euler", **CASES[case])
     assert np.abs(got - want).max() < TOLERANCE
     assert want.std() > 0.02  # a picture, not a flat field that any mistake would still match
+
+
+def test_a_prompt_past_t5s_256_tokens_says_what_was_dropped(sd3):
+    """T5 reads the long prompt, cut at the pipeline's 256 tokens; the request's notes say what the cut dropped.
+    Without T5 (left out), nothing reads past CLIP's 77 tokens, which the pipeline cuts silently too."""
+    _, ours, _, (_, with_t5) = sd3
+    long = "a red circle " + "on blue " * 150  # 300 words and more: past 256 T5 tokens
+    request = GenerationRequest(prompt=long, height=SIZE, width=SIZE, guidance_scale=1.0)
+    notes = ours.jobs.fit(ours.limits.resolve(request, ours.defaults, 1)).notes
+    if with_t5:
+        assert (
+            len(notes) == 1 and notes[0].startswith(f"prompt truncated to {T5_TOKENS} T5 tokens") and "blue" in notes[0]
+        )
+    else:
+        assert notes == ()
 
 
 def test_defaults_follow_the_family(sd3):

@@ -134,8 +134,10 @@ def test_a_prompt_past_512_tokens_is_cut_where_the_pipeline_cuts_it(zimage):
     start = latents(32, 32)
     args = dict(height=32, width=32, num_inference_steps=2)
     want = run_reference(reference, start, prompt=long, guidance_scale=0.0, **args)
-    got = ours.generate(long, num_images=2, latents=start, guidance_scale=0.0, **args).arrays
+    drawn = ours.generate(long, num_images=2, latents=start, guidance_scale=0.0, **args)
+    got = drawn.arrays
     assert np.abs(got - want).max() < TOLERANCE
+    assert [w for w in drawn.warnings if "truncated to 512 Qwen tokens" in w and "0123456789" in w]  # it says so
     longer = ours.generate(long + " and a green cat", num_images=2, latents=start, guidance_scale=0.0, **args)
     assert np.abs(longer.arrays - got).max() == 0
 

@@ -98,6 +98,16 @@ ExtraInputs = Callable[[Mapping[str, Any], int, Any, Any], Callable[[Any, str, s
 
 
 @dataclass(frozen=True)
+class PromptFit:
+    """How a request's prompts fit a text side's own tokenizer (`TextSide.fit_prompts`): the length both are padded
+    to where the side pads to one of a few (Z-Image: `Plan.text_tokens`; 0: its one length), and a line for each
+    prompt cut short, saying what the cut dropped (the ticket's notes)."""
+
+    length: int = 0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TextSide:
     """How a prompt becomes the denoiser's conditioning: the encoders, their tokenizers, the encoding.
 
@@ -121,10 +131,10 @@ class TextSide:
     chunked_prompts: bool = True
     # Whether requests may skip CLIP's last layers (`clip_skip`); False where the pipeline reads only a pooled vector
     clip_skip: bool = True
-    # A text side that pads each prompt to one of a few lengths (Z-Image, whose padding nothing reads): from the
-    # folder, (prompt, negative prompt or None when unguided) -> the length both are padded to, a static length of
-    # the request's plan (`Plan.text_tokens`) that `extra_inputs` reads. None: every prompt has the one length.
-    padded_length: Callable[[Any], Callable[[str, str | None], int]] | None = field(default=None, repr=False)
+    # A text side whose own tokenizer reads the prompts in the extra inputs (T5, Qwen3's chat template): from the
+    # folder, (prompt, negative prompt or None when unguided) -> how they fit (`PromptFit`); the folder's hook may be
+    # None (T5 left out). None: nothing to measure (CLIP's own chunks say what they hold).
+    fit_prompts: Callable[[Any], Callable[[str, str | None], PromptFit] | None] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

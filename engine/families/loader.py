@@ -32,7 +32,7 @@ from ..loading.weights import convert, read_safetensors, rename_legacy
 from ..models.config import AutoencoderTinyConfig, VAEConfig
 from ..schedulers import SCHEDULERS, SchedulerConfig
 from . import FAMILIES, PIPELINE_FAMILIES, family_of, find
-from .base import Family, Models, Variant, no_extra_inputs
+from .base import Family, Models, PromptFit, Variant, no_extra_inputs
 from .single_file import is_single_file, open_single_file
 from .transformer_file import is_transformer_file, open_transformer_file
 
@@ -62,8 +62,8 @@ class LoadedModel:
     embeddings: Embeddings = NO_EMBEDDINGS
     # Whether the model takes classifier-free guidance: not a step-distilled folder's (`Sampling.distilled`)
     guided: bool = True
-    # (prompt, negative prompt or None) -> the length both are padded to (`TextSide.padded_length`); None: one length
-    padded_length: Callable[[str, str | None], int] | None = None
+    # (prompt, negative prompt or None) -> how they fit the text side's own tokenizer (`TextSide.fit_prompts`)
+    fit_prompts: Callable[[str, str | None], PromptFit] | None = None
 
     @property
     def vae_scale_factor(self) -> int:
@@ -253,7 +253,7 @@ def load_model_folder(
         example_prompts=examples,
         max_clip_skip=min(configs[name].num_hidden_layers for name in text.encoders) - 1 if text.clip_skip else 0,
         extra_inputs=text.extra_inputs(folder.index, vae_scale_factor, folder if t5 != "off" else None, host),
-        padded_length=None if text.padded_length is None else text.padded_length(folder),
+        fit_prompts=None if text.fit_prompts is None else text.fit_prompts(folder if t5 != "off" else None),
         config_folder=folder if single is not None else None,
         guided=not family.sampling.distilled(folder.index),
     )

@@ -21,7 +21,7 @@ import numpy as np
 from ..loading.host_encoder import host_qwen3
 from ..loading.qwen_tokenizer import QwenTokenizer
 from ..models.qwen3 import Qwen3Config, layers_needed, prompt_embeds
-from .base import Encode, TextSide
+from .base import Encode, PromptFit, TextSide
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class QwenPrompt:
     # Whether the embeddings include the padding's rows. Where they do not (Z-Image keeps the real tokens only),
     # the padding changes nothing that is read (causal, right-padded), so fewer than 512 tokens may be run.
     reads_padding: bool = True
-    # Where the padding is not read: the lengths a prompt is padded to, shortest first (`padded_length`), so that a
+    # Where the padding is not read: the lengths a prompt is padded to, shortest first (`fit`), so that a
     # short prompt runs the text encoder and the denoiser's caption tokens over a quarter of the 512. Each is a
     # static length of its plan (`Plan.text_tokens`): a few, to bound the programs compiled.
     lengths: tuple[int, ...] = ()
@@ -52,12 +52,15 @@ class QwenPrompt:
         warnings = [w for _, _, found in rows for w in found]
         return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows]), warnings
 
-    def padded_length(self, tokenizer: QwenTokenizer, prompt: str, negative_prompt: str | None) -> int:
-        """The shortest of `lengths` that holds the prompt and the negative prompt (None: unguided), each rendered
-        in the chat template; the longest where none does (the tokens past it are cut) or where there are none."""
-        texts = [prompt] if negative_prompt is None else [prompt, negative_prompt]
-        need = max(tokenizer.chat_length(t, enable_thinking=self.enable_thinking) for t in texts)
-        return next((n for n in self.lengths if n >= need), self.max_sequence_length)
+    def fit(self, tokenizer: QwenTokenizer, prompt: str, negative_prompt: str | None) -> PromptFit:
+        """The prompt and the negative prompt (None: unguided, not read) in the chat template: the shortest of
+        `lengths` that holds both (the longest where none does; 0 without lengths), and what cutting them at
+        `max_sequence_length` dropped."""
+        texts = {"prompt": prompt, **({} if negative_prompt is None else {"negative prompt": negative_prompt})}
+        rows = [self.tokenize(tokenizer, [text], what=what) for what, text in texts.items()]
+        need = max(int(mask.sum()) for _, mask, _ in rows)
+        length = next((n for n in self.lengths if n >= need), self.max_sequence_length) if self.lengths else 0
+        return PromptFit(length, tuple(note for _, _, notes in rows for note in notes))
 
     def layers(self, config: Qwen3Config) -> int:
         """How many of the encoder's layers this reading needs: build `Qwen3Model(config, rngs, num_layers=...)`."""
@@ -80,12 +83,12 @@ class QwenPrompt:
             on_host=functools.partial(host_qwen3, hidden_layers=self.hidden_layers),
             chunked_prompts=False,
             clip_skip=False,
-            padded_length=self.folder_padded_length if self.lengths else None,
+            fit_prompts=self.folder_fit,
         )
 
-    def folder_padded_length(self, folder: Any) -> Callable[[str, str | None], int]:
-        """`padded_length` with the folder's tokenizer: `TextSide.padded_length`."""
-        return functools.partial(self.padded_length, QwenTokenizer(folder.component("tokenizer")))
+    def folder_fit(self, folder: Any) -> Callable[[str, str | None], PromptFit]:
+        """`fit` with the folder's tokenizer: `TextSide.fit_prompts`."""
+        return functools.partial(self.fit, QwenTokenizer(folder.component("tokenizer")))
 
 
 Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False, lengths=(128, 256, 512))

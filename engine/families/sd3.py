@@ -28,7 +28,17 @@ from ..models.config import CLIPTextConfig, VAEConfig
 from ..models.t5 import T5Config, T5EncoderModel
 from ..models.transformer_sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from ..models.vae import AutoencoderKL
-from .base import Conditioning, Denoiser, Family, LatentFormat, Models, Sampling, TextSide, text_to_image
+from .base import (
+    Conditioning,
+    Denoiser,
+    Family,
+    LatentFormat,
+    Models,
+    PromptFit,
+    Sampling,
+    TextSide,
+    text_to_image,
+)
 
 T5_TOKENS = 256  # diffusers' `max_sequence_length` default for SD3
 T5 = "text_encoder_3"
@@ -81,6 +91,24 @@ def t5_extra_inputs(encoder: str, tokenizer: str, tokens: int) -> Any:
         return functools.partial(t5_inputs, tokenizer=reader, host=host)
 
     return extra_inputs
+
+
+def t5_fit(encoder: str, tokenizer: str, tokens: int) -> Any:
+    """A family's `fit_prompts`: what cutting both prompts at `tokens` of the folder's T5 tokenizer dropped (None
+    where the folder's T5 encoder is absent or left out, as `t5_extra_inputs` reads none)."""
+
+    def fit_prompts(folder: Any) -> Any:
+        if folder is None or not folder.has(encoder):
+            return None
+        reader = T5Tokenizer(folder.component(tokenizer), tokens)
+
+        def fit(prompt: str, negative_prompt: str | None) -> PromptFit:
+            texts = {"prompt": prompt, **({} if negative_prompt is None else {"negative prompt": negative_prompt})}
+            return PromptFit(notes=tuple(note for what, text in texts.items() for note in reader(text, what)[1]))
+
+        return fit
+
+    return fit_prompts
 
 
 def t5_states(models: Models, name: str, extra: dict, negative: bool) -> jax.Array | None:
@@ -136,6 +164,7 @@ def t5_text(
         tokenizers=tokenizers,
         encode=encode,
         extra_inputs=t5_extra_inputs(t5, t5_tokenizer, tokens),
+        fit_prompts=t5_fit(t5, t5_tokenizer, tokens),
         host_encoder=t5,
         chunked_prompts=False,
     )

@@ -106,11 +106,6 @@ class QwenTokenizer:
         return self.template.render(messages=messages, tools=None, documents=None,
                                     add_generation_prompt=add_generation_prompt, **values)  # fmt: skip
 
-    def chat_length(self, prompt: str, **options) -> int:
-        """How many tokens `chat` would give the prompt before cutting or padding."""
-        text = self.render([{"role": "user", "content": prompt}], add_generation_prompt=True, **options)
-        return len(self.inner.encode(text).ids)
-
     def encode(self, text: str, max_length: int, what: str = "prompt") -> tuple[np.ndarray, np.ndarray, list[str]]:
         """int32 ids and bool mask [max_length] of `text` (cut, then padded on the right), and the warnings."""
         ids = self.inner.encode(text).ids

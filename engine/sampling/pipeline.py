@@ -58,7 +58,7 @@ class Plan:
     # Reference pictures (a denoiser that edits, `families.base.References`): each one's (height, width) in pixels,
     # in the request's order; their latents sit in `Conditioning.references`
     references: tuple[tuple[int, int], ...] = ()
-    # A text side that pads prompts to one of a few lengths (`TextSide.padded_length`): this plan's; 0: its one length
+    # A text side that pads prompts to one of a few lengths (`TextSide.fit_prompts`): this plan's; 0: its one length
     text_tokens: int = 0
 
     @property

@@ -283,10 +283,10 @@ class Engine:
 
     def _submit(self, r: GenerationRequest, caller: str = "") -> Ticket:
         """A resolved request to the batcher."""
-        prompts = self.prompts(r)
-        plan = self.plan(r, max(p.chunks for p in prompts))
+        prompts, fit = self.prompts(r), self.jobs.fit(r)
+        plan = self.jobs.plan(r, max(p.chunks for p in prompts), fit)
         notes = [p.note(what) for p, what in zip(prompts, ("prompt", "negative prompt"), strict=True)]
-        ticket = Ticket(r, [note for note in notes if note], caller)
+        ticket = Ticket(r, [note for note in notes if note] + list(fit.notes), caller)
         self._batcher.submit(self.jobs.job(ticket, r, plan, prompts))
         return ticket
 

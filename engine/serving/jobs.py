@@ -17,7 +17,7 @@ import numpy as np
 from .. import schedulers
 from ..errors import InvalidRequest
 from ..families import FAMILIES
-from ..families.base import References
+from ..families.base import PromptFit, References
 from ..families.loader import LoadedModel
 from ..request import GenerationRequest, Limits
 from ..request_references import fit_reference, reference_size
@@ -66,25 +66,32 @@ class Jobs:
         self.limits.check_chunks(negative.chunks, negative.token_count, "negative prompt")
         return prompt, negative
 
-    def plan(self, r: GenerationRequest, chunks: int | None = None) -> Plan:
-        """The static shapes of a complete request; `chunks`: its prompts' chunk count (None: tokenizes them)."""
+    def guided(self, r: GenerationRequest) -> bool:
+        """Whether the request's plan takes the unconditional row: not for a model that reads the scale as an
+        embedding (LCM), nor for a step-distilled one."""
+        by_embedding = FAMILIES[self.model.family].denoiser.guided_by_embedding(self.model.denoiser_config)
+        return r.guided and self.model.guided and not by_embedding
+
+    def fit(self, r: GenerationRequest) -> PromptFit:
+        """How the prompts fit the text side's own tokenizer (T5, Qwen3's chat template): the length they are padded
+        to, and what a cut dropped; the negative prompt only where guidance reads it."""
+        if self.model.fit_prompts is None:
+            return PromptFit()
+        return self.model.fit_prompts(r.prompt, (r.negative_prompt or "") if self.guided(r) else None)
+
+    def plan(self, r: GenerationRequest, chunks: int | None = None, fit: PromptFit | None = None) -> Plan:
+        """The static shapes of a complete request; `chunks`: its prompts' chunk count (None: tokenizes them);
+        `fit`: `fit(r)` where the caller has it."""
         if chunks is None:
             chunks = max(p.chunks for p in self.prompts(r))
         factor = self.model.vae_scale_factor
-        # A model that reads the scale as an embedding (LCM) never takes the unconditional row.
-        by_embedding = FAMILIES[self.model.family].denoiser.guided_by_embedding(self.model.denoiser_config)
-        guidance = r.guided and self.model.guided and not by_embedding
-        # A text side that pads prompts to one of a few lengths: the one this request's prompts take
-        negative = (r.negative_prompt or "") if guidance else None
-        padded_length = self.model.padded_length
-        text_tokens = 0 if padded_length is None else padded_length(r.prompt, negative)
         return Plan(
             batch=self.batch_size,
             latent_height=r.height // factor,
             latent_width=r.width // factor,
             scheduler=r.scheduler,
             max_steps=self.limits.max_steps,
-            guidance=guidance,
+            guidance=self.guided(r),
             family=self.model.family,
             clip_skip=int(r.clip_skip),
             chunks=chunks,
@@ -94,7 +101,7 @@ class Jobs:
             deep_cache=int(r.deep_cache) if r.deep_cache > 1 else 0,
             token_merging=float(r.token_merging),
             references=tuple((h, w) for w, h in (reference_size(self.limits, p) for p in r.references or ())),
-            text_tokens=text_tokens,
+            text_tokens=(fit or self.fit(r)).length,  # a text side that pads prompts to one of a few lengths
         )
 
     def _latent_shape(self, plan: Plan) -> tuple[int, int, int]:
