@@ -139,3 +139,12 @@ def test_refusals_are_unchanged_on_fixed_sizes(fixed):
         engine.generate(PROMPT, references=(A,) * 5, **args)
     with pytest.raises(InvalidRequest, match="reference 1 is 64x32; .* at least 64 pixels"):
         engine.generate(PROMPT, references=(picture(64, 32, 0),), **args)
+
+
+def test_a_request_without_a_size_takes_the_offered_size_nearest_the_models_own(fixed):
+    """The model's own 1024x1024 is not offered: a request giving no size, and the warm-up, take the offered square
+    nearest it in area (64x64) instead of being refused."""
+    _, engine = fixed
+    assert (engine.defaults["width"], engine.defaults["height"]) == (64, 64)
+    resolved = engine.limits.resolve(GenerationRequest(PROMPT), engine.defaults)
+    assert (resolved.width, resolved.height) == (64, 64)
