@@ -290,13 +290,18 @@ def write_model(model: str, config: dict, folder: Path) -> None:
     print(f"wrote {target} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
+def text_tokens(model: str, caption: int) -> int:
+    """The text tokens ours passes: Z-Image's caption padded to the first of its lengths holding it."""
+    tokens = MODELS[model]["text_tokens"]
+    return next(n for n in tokens if n >= caption) if isinstance(tokens, tuple) else tokens
+
+
 def inputs(model: str, size: int, batch: int, caption: int) -> dict[str, np.ndarray]:
     """The same numbers for both sides (f32): NHWC latents [batch, size / cell, size / cell, channels], the text
     encoder's states [batch, text_tokens, width] and, for SD 3.5 and FLUX.1, pooled text; for Z-Image each row's
     caption length (`caption` real tokens, the rest padding that is masked out)."""
     spec, rng = MODELS[model], np.random.default_rng(0)
-    (cell, channels), config, tokens = spec["latent"], spec["config"], spec["text_tokens"]
-    tokens = next(n for n in tokens if n >= caption) if isinstance(tokens, tuple) else tokens
+    (cell, channels), config, tokens = spec["latent"], spec["config"], text_tokens(model, caption)
     values = dict(
         x=rng.standard_normal((batch, size // cell, size // cell, channels)).astype(np.float32),
         text=rng.standard_normal((batch, tokens, config[spec["text_width"]])).astype(np.float32),
@@ -535,8 +540,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     spec = MODELS[args.model]
     n, full, side = blocks(config), spec["layers"], args.size // spec["latent"][0]
-    text = f"{spec['text_tokens']} text tokens"
-    if args.model == "z-image":  # ours reads every caption padded to 512 and masked; diffusers its padded length
+    text = f"{text_tokens(args.model, args.caption_tokens)} text tokens"
+    if args.model == "z-image":  # ours pads a caption to 128, 256 or 512, masked; diffusers to a multiple of 32
         text += f" of which {args.caption_tokens} real, diffusers {-(-args.caption_tokens // 32) * 32}"
     print(
         f"# {args.model}, {depth_words(config)} ({n} of {full}), {args.size}px (latent {side}x{side}x"
