@@ -82,6 +82,19 @@ def _split(plan: Plan, source: str, targets: list[str], sizes: list[int], names)
             start += size
 
 
+def _double_attention(plan: Plan, ours: str, theirs: str, inner: int, names) -> None:
+    """A FLUX.1 or FLUX.2 double block's attention: each stream's fused qkv cut in thirds, its q and k norms."""
+    _split(plan, f"{theirs}.img_attn.qkv", [f"{ours}.attn.to_{x}" for x in "qkv"], [inner] * 3, names)
+    _split(plan, f"{theirs}.txt_attn.qkv", [f"{ours}.attn.add_{x}_proj" for x in "qkv"], [inner] * 3, names)
+    for ours_norm, theirs_norm in (
+        ("norm_q", "img_attn.norm.query_norm"),
+        ("norm_k", "img_attn.norm.key_norm"),
+        ("norm_added_q", "txt_attn.norm.query_norm"),
+        ("norm_added_k", "txt_attn.norm.key_norm"),
+    ):
+        plan[f"{ours}.attn.{ours_norm}.weight"] = Take(f"{theirs}.{theirs_norm}.scale")
+
+
 def flux_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
     """BFL's FLUX.1 names -> diffusers' FluxTransformer2DModel names, for the file's tensor `shapes`."""
     names = set(shapes)
@@ -118,17 +131,7 @@ def flux_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
             },
             names,
         )
-        sample = [f"{ours}.attn.to_{x}" for x in "qkv"]
-        context = [f"{ours}.attn.add_{x}_proj" for x in "qkv"]
-        _split(plan, f"{theirs}.img_attn.qkv", sample, [inner] * 3, names)
-        _split(plan, f"{theirs}.txt_attn.qkv", context, [inner] * 3, names)
-        for ours_norm, theirs_norm in (
-            ("norm_q", "img_attn.norm.query_norm"),
-            ("norm_k", "img_attn.norm.key_norm"),
-            ("norm_added_q", "txt_attn.norm.query_norm"),
-            ("norm_added_k", "txt_attn.norm.key_norm"),
-        ):
-            plan[f"{ours}.attn.{ours_norm}.weight"] = Take(f"{theirs}.{theirs_norm}.scale")
+        _double_attention(plan, ours, theirs, inner, names)
     for i in range(_count(names, r"single_blocks\.(\d+)\.")):
         ours, theirs = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
         _whole(
@@ -241,15 +244,7 @@ def flux2_plan(shapes: Mapping[str, tuple[int, ...]]) -> Plan:
             },
             names,
         )
-        _split(plan, f"{theirs}.img_attn.qkv", [f"{ours}.attn.to_{x}" for x in "qkv"], [inner] * 3, names)
-        _split(plan, f"{theirs}.txt_attn.qkv", [f"{ours}.attn.add_{x}_proj" for x in "qkv"], [inner] * 3, names)
-        for ours_norm, theirs_norm in (
-            ("norm_q", "img_attn.norm.query_norm"),
-            ("norm_k", "img_attn.norm.key_norm"),
-            ("norm_added_q", "txt_attn.norm.query_norm"),
-            ("norm_added_k", "txt_attn.norm.key_norm"),
-        ):
-            plan[f"{ours}.attn.{ours_norm}.weight"] = Take(f"{theirs}.{theirs_norm}.scale")
+        _double_attention(plan, ours, theirs, inner, names)
     for i in range(_count(names, r"single_blocks\.(\d+)\.")):
         ours, theirs = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
         _whole(
