@@ -281,9 +281,9 @@ class Limits:
         self._check_deep_cache(r)
         self._check_token_merging(r)
         self._check_adapters(r)
-        self._check_encodes(r)
+        _check_encodes(self, r)
         _check_hires_options(self, r)  # before the images': hires_strength has become the strength
-        self._check_images(r)
+        _check_images(r)
         check_references(self, r)
         _check_picture_options(self, r)
         self._check_hires(r)
@@ -359,41 +359,6 @@ class Limits:
             if not _number(weight) or not math.isfinite(weight) or not low <= weight <= high:
                 raise InvalidRequest(f"LoRA {name!r} weight must be a number from {low:g} to {high:g}, got {weight!r}")
 
-    def _check_encodes(self, r: GenerationRequest) -> None:
-        if self.encodes:
-            return
-        given = (["image"] if r.image is not None else []) + (["references"] if r.references else [])
-        if given:
-            raise InvalidRequest(
-                f"this server's VAE is a tiny VAE's decoder alone: it draws pictures but cannot read one, so send no "
-                f"{' or '.join(given)} (image to image, inpainting and reference pictures need its encoder; the "
-                "server takes both as --vae FOLDER holding the encoder file beside the decoder's)"
-            )
-
-    def _check_images(self, r: GenerationRequest) -> None:
-        if r.image is not None and not isinstance(r.image, Image.Image):
-            raise InvalidRequest(f"image must be a picture (PIL.Image), got {type(r.image).__name__}")
-        if r.mask_image is not None:
-            if r.image is None:
-                raise InvalidRequest("mask_image needs an image to paint into; give image too")
-            if not isinstance(r.mask_image, Image.Image):
-                raise InvalidRequest(f"mask_image must be a picture (PIL.Image), got {type(r.mask_image).__name__}")
-            if r.mask_image.size != r.image.size:
-                (mw, mh), (iw, ih) = r.mask_image.size, r.image.size
-                raise InvalidRequest(
-                    f"mask_image is {mw}x{mh} but image is {iw}x{ih}; draw or upload the mask at the picture's size"
-                )
-        if r.strength is None:
-            return
-        s = r.strength
-        if not _number(s) or not math.isfinite(s) or not 0 < s <= 1:
-            raise InvalidRequest(f"strength must be a number above 0 and at most 1, got {s!r}")
-        if (r.image is not None or r.image_latents is not None) and int(r.num_inference_steps * s) < 1:
-            raise InvalidRequest(
-                f"strength {s:g} of {r.num_inference_steps} steps runs no step at all; "
-                f"raise the strength to at least {1 / r.num_inference_steps:g} or the steps"
-            )
-
     def _check_hires(self, r: GenerationRequest) -> None:
         if not r.hires:
             return
@@ -434,6 +399,45 @@ class Limits:
                 f"{what} is too long: {tokens} tokens need {chunks} chunks of 75; at most {self.max_chunks} chunks "
                 f"({75 * self.max_chunks} tokens) are served, so shorten it or remove a BREAK"
             )
+
+
+def _check_encodes(limits: Limits, r: GenerationRequest) -> None:
+    """A VAE that reads no pictures (a tiny decoder alone) refuses the requests that bring one."""
+    if limits.encodes:
+        return
+    given = (["image"] if r.image is not None else []) + (["references"] if r.references else [])
+    if given:
+        raise InvalidRequest(
+            f"this server's VAE is a tiny VAE's decoder alone: it draws pictures but cannot read one, so send no "
+            f"{' or '.join(given)} (image to image, inpainting and reference pictures need its encoder; the "
+            "server takes both as --vae FOLDER holding the encoder file beside the decoder's)"
+        )
+
+
+def _check_images(r: GenerationRequest) -> None:
+    """The image and mask are pictures of one size, and the strength runs at least one step."""
+    if r.image is not None and not isinstance(r.image, Image.Image):
+        raise InvalidRequest(f"image must be a picture (PIL.Image), got {type(r.image).__name__}")
+    if r.mask_image is not None:
+        if r.image is None:
+            raise InvalidRequest("mask_image needs an image to paint into; give image too")
+        if not isinstance(r.mask_image, Image.Image):
+            raise InvalidRequest(f"mask_image must be a picture (PIL.Image), got {type(r.mask_image).__name__}")
+        if r.mask_image.size != r.image.size:
+            (mw, mh), (iw, ih) = r.mask_image.size, r.image.size
+            raise InvalidRequest(
+                f"mask_image is {mw}x{mh} but image is {iw}x{ih}; draw or upload the mask at the picture's size"
+            )
+    if r.strength is None:
+        return
+    s = r.strength
+    if not _number(s) or not math.isfinite(s) or not 0 < s <= 1:
+        raise InvalidRequest(f"strength must be a number above 0 and at most 1, got {s!r}")
+    if (r.image is not None or r.image_latents is not None) and int(r.num_inference_steps * s) < 1:
+        raise InvalidRequest(
+            f"strength {s:g} of {r.num_inference_steps} steps runs no step at all; "
+            f"raise the strength to at least {1 / r.num_inference_steps:g} or the steps"
+        )
 
 
 def _check_picture_options(limits: Limits, r: GenerationRequest) -> None:
