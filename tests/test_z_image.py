@@ -37,6 +37,8 @@ from transformers import AutoTokenizer
 import web
 from engine import GenerationRequest, load_pipeline
 from engine.errors import ConfigError
+from engine.families import qwen_prompt, z_image
+from engine.loading.sources import resolve
 from tests._api_server import b64png, decode_png, max_pixel_difference
 
 PROMPT, NEGATIVE = "a red circle on a blue background", "blurry photo"
@@ -158,6 +160,26 @@ def test_a_prompt_is_padded_to_the_shortest_length_holding_it_and_a_guided_negat
     assert padded(PROMPT + ", " + digits * 3) == 512  # 600 digits: cut at 512
     assert padded(PROMPT, negative_prompt=digits, guidance_scale=4.0) == 256
     assert padded(PROMPT, negative_prompt=digits, guidance_scale=1.0) == 128  # unguided: the negative is not read
+
+
+def test_the_folder_s_tokenizer_is_read_once_for_a_prompt_s_ids_and_its_fit(zimage, monkeypatch):
+    """The prompt's ids (the family's extra inputs) and its padded length (`TextSide.fit_prompts`) read one
+    tokenizer of the folder, so a load reads tokenizer.json once, and both see the same tokens."""
+    _, _, folder = zimage
+    reads = []
+
+    class Counted(qwen_prompt.QwenTokenizer):
+        def __init__(self, where):
+            reads.append(where)
+            super().__init__(where)
+
+    monkeypatch.setattr(qwen_prompt, "QwenTokenizer", Counted)
+    model_folder = resolve(folder)
+    ids = z_image.extra_inputs(model_folder.index, 8, model_folder, None)
+    fit = z_image.FAMILY.text.fit_prompts(model_folder)
+    assert len(reads) == 1
+    assert fit.args[0] is ids.keywords["tokenizer"]
+    assert fit(PROMPT, None).length == 128
 
 
 def test_mixed_requests_share_a_batch_and_get_their_own_pictures(zimage):

@@ -39,7 +39,7 @@ from ..models.transformer_flux import TIME_FACTOR
 from ..models.transformer_flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
 from ..models.vae_flux2 import AutoencoderKLFlux2, Flux2VAEConfig, patchify, unpatchify
 from .base import Conditioning, Denoiser, Family, LatentFormat, Models, References, text_to_image
-from .qwen_prompt import FLUX2_KLEIN
+from .qwen_prompt import FLUX2_KLEIN, folder_tokenizer
 from .sd3 import flow_sampling
 
 REFERENCE_PIXELS = 1024 * 1024  # a larger reference picture is shrunk to about this many pixels
@@ -110,7 +110,7 @@ def prompt_inputs(
 
 def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any, host: Any) -> Any:
     """The family's per-image inputs: the folder's Qwen tokenizer reads both prompts."""
-    return functools.partial(prompt_inputs, tokenizer=QwenTokenizer(folder.component("tokenizer")), host=host)
+    return functools.partial(prompt_inputs, tokenizer=folder_tokenizer(folder), host=host)
 
 
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:

@@ -88,7 +88,12 @@ class QwenPrompt:
 
     def folder_fit(self, folder: Any) -> Callable[[str, str | None], PromptFit]:
         """`fit` with the folder's tokenizer: `TextSide.fit_prompts`."""
-        return functools.partial(self.fit, QwenTokenizer(folder.component("tokenizer")))
+        return functools.partial(self.fit, folder_tokenizer(folder))
+
+
+def folder_tokenizer(folder: Any) -> QwenTokenizer:
+    """The folder's Qwen tokenizer (sub-folder `tokenizer`), read once for the prompt's ids and its fit."""
+    return folder.read_once("qwen tokenizer", lambda: QwenTokenizer(folder.component("tokenizer")))
 
 
 Z_IMAGE = QwenPrompt(enable_thinking=True, hidden_layers=(-2,), reads_padding=False, lengths=(128, 256, 512))

@@ -87,10 +87,17 @@ def t5_extra_inputs(encoder: str, tokenizer: str, tokens: int) -> Any:
 
     def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any, host: Any) -> Any:
         has_t5 = folder is not None and folder.has(encoder)
-        reader = T5Tokenizer(folder.component(tokenizer), tokens) if has_t5 else None
+        reader = t5_tokenizer(folder, tokenizer, tokens) if has_t5 else None
         return functools.partial(t5_inputs, tokenizer=reader, host=host)
 
     return extra_inputs
+
+
+def t5_tokenizer(folder: Any, tokenizer: str, tokens: int) -> T5Tokenizer:
+    """The folder's T5 tokenizer (sub-folder `tokenizer`) at `tokens`, read once for the prompt's ids and its fit."""
+    return folder.read_once(
+        f"t5 tokenizer {tokenizer} {tokens}", lambda: T5Tokenizer(folder.component(tokenizer), tokens)
+    )
 
 
 def t5_fit(encoder: str, tokenizer: str, tokens: int) -> Any:
@@ -100,7 +107,7 @@ def t5_fit(encoder: str, tokenizer: str, tokens: int) -> Any:
     def fit_prompts(folder: Any) -> Any:
         if folder is None or not folder.has(encoder):
             return None
-        reader = T5Tokenizer(folder.component(tokenizer), tokens)
+        reader = t5_tokenizer(folder, tokenizer, tokens)
 
         def fit(prompt: str, negative_prompt: str | None) -> PromptFit:
             texts = {"prompt": prompt, **({} if negative_prompt is None else {"negative prompt": negative_prompt})}

@@ -43,7 +43,7 @@ from ..models.qwen3 import Qwen3Config, Qwen3Model
 from ..models.transformer_z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 from ..models.vae import AutoencoderKL
 from .base import Conditioning, Denoiser, Family, LatentFormat, Models, text_to_image
-from .qwen_prompt import Z_IMAGE
+from .qwen_prompt import Z_IMAGE, folder_tokenizer
 from .sd3 import flow_sampling
 
 TURBO = {"num_inference_steps": 9, "guidance_scale": 0.0}  # Z-Image-Turbo's model card: 9 steps (8 evaluations), g 0
@@ -101,7 +101,7 @@ def prompt_inputs(
 
 def extra_inputs(index: Mapping[str, Any], vae_scale_factor: int, folder: Any, host: Any) -> Any:
     """The family's per-image inputs: the folder's Qwen tokenizer reads both prompts."""
-    return functools.partial(prompt_inputs, tokenizer=QwenTokenizer(folder.component("tokenizer")), host=host)
+    return functools.partial(prompt_inputs, tokenizer=folder_tokenizer(folder), host=host)
 
 
 def encode(models: Models, ids: jax.Array, extra: dict, plan: Any, negative: bool) -> Conditioning:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import SourceError
 
@@ -32,6 +33,15 @@ class ModelFolder:
     name: str  # what the user asked for: "embedded default", a folder, or a Hub id
     class_name: str  # model_index.json's `_class_name`: the pipeline, which names the family
     index: dict
+    # What a load reads from the folder once for several users (`read_once`): a prompt's ids and its fit
+    # (`TextSide.fit_prompts`) read one tokenizer
+    _read: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def read_once(self, key: str, read: Callable[[], Any]) -> Any:
+        """`read()` the first time `key` is asked of this folder; the same object every time after."""
+        if key not in self._read:
+            self._read[key] = read()
+        return self._read[key]
 
     def component(self, name: str) -> Path:
         path = self.root / name
