@@ -31,7 +31,7 @@ LAYERS = (
     "serving",
 )
 FOLDERS = ("nn", "models", "schedulers", "loading", "families", "sampling", "serving", "compat")
-FAMILY_NAMES = ("sd", "sdxl", "sd-lcm")
+FAMILY_NAMES = ("sd", "sdxl", "sd-lcm", "sd3", "flux", "flux_kontext", "z-image", "flux2")
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 250
 
@@ -102,6 +102,53 @@ def test_a_family_is_named_only_in_its_folder():
         if pattern.search(line)
     ]
     assert not named, f"a family's name outside engine/families/: {named}"
+
+
+# Besides the registry (engine/families/__init__.py), who may import a family's module: the families built on its
+# parts, the readers of its single files (their key layouts are a feature of their own), and the diffusers Flax
+# API (engine/compat/flax_api.py), whose pipelines are SD's and SDXL's by name
+FAMILY_MODULE_USERS = {
+    "sd": {"sdxl", "lcm", "single_file", "flax_api"},
+    "sdxl": {"single_file", "flax_api"},
+    "lcm": set(),
+    "sd3": {"flux", "z_image", "flux2", "transformer_file"},
+    "flux": {"flux_kontext", "transformer_file"},
+    "flux_kontext": {"transformer_file"},
+    "z_image": {"transformer_file"},
+    "flux2": {"transformer_file"},
+}
+
+
+def test_a_family_is_its_own_module_and_three_lines_of_the_registry():
+    """Adding a family is its module (and its networks in engine/models) plus three one-line registrations: its
+    name in the registry's import line, its `FAMILY` and its `VARIANTS`. The doors reach it through the registry."""
+    families = ENGINE / "families"
+    modules = sorted(p.stem for p in families.glob("*.py") if re.search(r"^FAMILY = ", p.read_text(), re.M))
+    assert modules == sorted(FAMILY_MODULE_USERS)
+    registry = (families / "__init__.py").read_text().split('"""', 2)[2]  # below the docstring
+    for module in modules:
+        lines = [line.strip() for line in registry.splitlines() if re.search(rf"\b{module}\b", line)]
+        lines = [line for line in lines if not line.startswith("DEFAULT_FAMILY = ")]  # SD 1.x: the default
+        assert len(lines) == 3 and lines[1:] == [f"{module}.FAMILY,", f"*{module}.VARIANTS,"], (module, lines)
+        assert lines[0].startswith("from . import "), (module, lines)
+    places = [*engine_modules(), *ROOT.glob("*.py"), *(ROOT / "web").rglob("*.py"), *(ROOT / "cluster").rglob("*.py")]
+    for path in places:
+        if path == families / "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1] == "families":
+                imported |= {a.name for a in node.names}  # from ..families import z_image
+            elif isinstance(node, ast.ImportFrom) and node.level == 1 and path.parent == families:
+                imported |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and ".families." in f".{node.module}.":
+                imported.add(node.module.split(".")[-1])  # from engine.families.sd import ...
+        for module in imported & set(modules):
+            assert path.stem in FAMILY_MODULE_USERS[module], (
+                f"{path.relative_to(ROOT)} imports the family module {module}: a family is reached through the "
+                "registry (engine.families.FAMILIES, family_of)"
+            )
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
