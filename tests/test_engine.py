@@ -256,8 +256,11 @@ def test_eight_devices_draw_the_same_images_as_one(pipe, tmp_path):
 
 
 def test_warmup_builds_guidance_on_and_off(tmp_path):
-    pipe = load_pipeline()
+    # One slot: the warm-up's programs are then the one width these requests run at, both guidance plans of it
+    # (with the default 8 slots it also compiles both at the width of 8, which no request here runs).
+    pipe = load_pipeline(max_batch_size=1, previews=False)
     pipe.warmup(wait_for_all=True)
+    assert len(pipe.compiled_plans) == 2  # guidance on and off, each compiled by the warm-up
     for guidance in (0.0, 1.0, 3.0, 7.5):
         assert not pipe.generate("a", guidance_scale=guidance, num_inference_steps=2).compiled
 
