@@ -73,3 +73,18 @@ def fit_threads(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
     if count < len(mask):
         os.sched_setaffinity(0, mask[:count])
     return count
+
+
+IDLE_NICENESS = 19  # Linux's lowest priority: such a thread runs on what the others leave
+
+
+def run_when_idle() -> None:
+    """Lowers the calling thread to the lowest priority (nice 19), and the threads it starts after, which inherit
+    it: work nobody is waiting for (the warm-up's programs after Ready) then takes what a request drawing meanwhile
+    leaves of the cores, instead of half of them. Where the system refuses, nothing changes."""
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICENESS)
+    except (OSError, AttributeError):  # not Linux, or not allowed: the thread keeps its priority
+        pass

@@ -3,6 +3,10 @@ cgroup files."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import pytest
 
 from engine import cpus
@@ -72,3 +76,42 @@ def test_fit_threads_sets_omp_and_narrows_the_mask_to_the_quota(monkeypatch, tmp
     (root / "cpu.max").write_text("max 100000\n")
     assert cpus.fit_threads(root, proc) == 8
     assert environ == {"OMP_NUM_THREADS": "1"} and narrowed == []  # no quota: the mask as it is
+
+
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_work_nobody_waits_for_runs_at_the_lowest_priority_and_its_threads_inherit_it():
+    """The warm-up's programs after Ready compile on threads of nice 19, and so do the threads they start (XLA's
+    compile threads): a request drawing meanwhile keeps the cores. The caller's priority is left as it was."""
+    mine, seen = _niceness(), {}
+
+    def idle():
+        cpus.run_when_idle()
+        seen["idle"] = _niceness()
+        child = threading.Thread(target=lambda: seen.setdefault("its child", _niceness()))
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    thread.join()
+    assert seen == {"idle": cpus.IDLE_NICENESS, "its child": cpus.IDLE_NICENESS}
+    assert _niceness() == mine
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_programs_asked_for_compile_at_the_process_s_priority_and_background_ones_at_the_lowest():
+    from engine.serving.programs import Programs
+
+    programs = Programs(graphdef=None, params=None, batch=None, replicated=None, example=None)
+    priorities = {}
+    programs._add = lambda plan, width: priorities.setdefault(plan, _niceness())  # in place of the compile
+    try:
+        programs.request("a plan a request waits for", 1).result()
+        programs.request("the warm-up's after Ready", 1, background=True).result()
+    finally:
+        programs.shutdown()
+    assert priorities == {"a plan a request waits for": _niceness(), "the warm-up's after Ready": cpus.IDLE_NICENESS}

@@ -7,6 +7,9 @@ pinned one (the warm-up's). A batch keeps its own reference to the programs it r
 The decode reads little of a plan (`decode_plan`): plans that differ only in scheduler, guidance, mode, steps and
 the like share one compiled decode per width, held by each plan's lanes and dropped with the last of them.
 JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
+Programs nobody waits for yet (the warm-up's after Ready: `request(background=True)`) are traced and compiled on
+threads of the lowest priority (`cpus.run_when_idle`), so that a request drawing meanwhile keeps the cores: on
+two cores it used to wait twice as long for its picture while they compiled.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.stages import Compiled, Lowered
 
+from .. import cpus
 from ..sampling import pipeline
 from ..sampling.pipeline import Plan, Slots
 
@@ -162,6 +166,10 @@ class Programs:
         self._pinned: set[Plan] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_PLANS, thread_name_prefix="jax-sd-compile")
+        # Plans nobody waits for: the same work at the lowest priority (the XLA threads they start inherit it)
+        self._idle_pool = ThreadPoolExecutor(
+            COMPILE_PLANS, thread_name_prefix="jax-sd-compile-idle", initializer=cpus.run_when_idle
+        )
 
     # -- the cache ------------------------------------------------------------------------
     def get(self, plan: Plan) -> CompiledPlan | None:
@@ -173,10 +181,15 @@ class Programs:
             return compiled
 
     def request(
-        self, plan: Plan, width: int, on_done: Callable[[Future], None] | None = None, pin: bool = False
+        self,
+        plan: Plan,
+        width: int,
+        on_done: Callable[[Future], None] | None = None,
+        pin: bool = False,
+        background: bool = False,
     ) -> Future:
-        """Starts compiling `plan` at `width` in the background unless done or under way; its future gives
-        the CompiledPlan."""
+        """Starts compiling `plan` at `width` off this thread unless done or under way; its future gives the
+        CompiledPlan. `background`: nobody waits for it yet, so it runs at the lowest priority."""
         key = (plan, width)
         with self._lock:
             if pin:
@@ -188,7 +201,7 @@ class Programs:
             elif key in self._pending:
                 future = self._pending[key]
             else:
-                future = self._pool.submit(self._add, plan, width)
+                future = (self._idle_pool if background else self._pool).submit(self._add, plan, width)
                 self._pending[key] = future
         if on_done is not None:
             future.add_done_callback(on_done)
@@ -316,4 +329,5 @@ class Programs:
         return jitted.lower(plan, width, self.graphdef, self.params, latents, checker_params), (checker_params,)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)  # a compile under way finishes first
+        for pool in (self._pool, self._idle_pool):
+            pool.shutdown(wait=True, cancel_futures=True)  # a compile under way finishes first

@@ -1,7 +1,8 @@
 """Start-up compilation: the default request's programs before Ready, the rest in the background.
 
 The default request's plan at its own width first (Ready then), and after Ready the same size with guidance
-the other way (so the guidance slider crossing 1 compiles nothing) and the whole batch's width of both.
+the other way (so the guidance slider crossing 1 compiles nothing) and the whole batch's width of both, at the
+lowest priority: a first request drawing meanwhile keeps the cores (`Programs.request(background=True)`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def warmup(
     # One plan at a time until Ready: XLA's CPU compiler already keeps two cores busy.
     programs.request(default, own, pin=True).result()
     seconds = time.perf_counter() - start
-    rest = [programs.request(other, own, pin=True)]
-    rest += [programs.request(plan, widths[-1]) for plan in (default, other)]
+    rest = [programs.request(other, own, pin=True, background=True)]
+    rest += [programs.request(plan, widths[-1], background=True) for plan in (default, other)]
     if wait_for_all:
         for future in rest:
             future.result()
