@@ -21,8 +21,9 @@ import pytest
 from flax import nnx
 from multidevice import run_with_devices
 
+from engine import cpus
 from engine.errors import ConfigError
-from engine.nn import layers, onednn
+from engine.nn import kernel_build, layers, onednn
 from engine.sampling import pairs
 
 
@@ -492,7 +493,7 @@ def _fake_onednn(monkeypatch, tmp_path, script: str) -> None:
     header = tmp_path / "include" / "oneapi" / "dnnl" / "dnnl_version.h"
     header.parent.mkdir(parents=True)
     header.write_text("#define DNNL_VERSION_MAJOR 2\n")
-    monkeypatch.setattr(onednn, "_find_onednn", lambda: (tmp_path / "include", tmp_path / "lib"))
+    monkeypatch.setattr(kernel_build, "find_onednn", lambda: (tmp_path / "include", tmp_path / "lib"))
     compiler = tmp_path / "fake-c++"
     compiler.write_text(f"#!/bin/sh\necho started >> {tmp_path}/starts\n{script}\n")
     compiler.chmod(0o755)
@@ -510,23 +511,27 @@ def test_a_failed_build_is_remembered_with_its_reason_and_not_retried(monkeypatc
         onednn.build()
     (marker,) = (tmp_path / "kernels").glob("*.failed")
     assert "no such thing" in marker.read_text()
+    sources = len(kernel_build.SOURCES)
+    assert _starts(tmp_path) == sources  # each source compiled on its own; no link after a failure
     with pytest.raises(RuntimeError, match="no such thing.*an earlier start"):
         onednn.build()
-    assert _starts(tmp_path) == 1  # not run again
+    assert _starts(tmp_path) == sources  # not run again
     marker.unlink()  # what the message says to do
     with pytest.raises(RuntimeError, match="no such thing"):
         onednn.build()
-    assert _starts(tmp_path) == 2
+    assert _starts(tmp_path) == 2 * sources
 
 
 def test_a_build_past_its_timeout_is_stopped_and_remembered(monkeypatch, tmp_path):
     _fake_onednn(monkeypatch, tmp_path, "sleep 30")  # a child of the compiler's that holds its output open
-    monkeypatch.setenv(onednn.BUILD_TIMEOUT, "0.5")
-    with pytest.raises(RuntimeError, match=f"took over 0.5 s \\({onednn.BUILD_TIMEOUT}\\)"):
+    monkeypatch.setenv(kernel_build.BUILD_TIMEOUT, "0.5")
+    with pytest.raises(RuntimeError, match=f"took over 0.5 s \\({kernel_build.BUILD_TIMEOUT}\\)"):
         onednn.build()
+    started = _starts(tmp_path)  # the compiles side by side, as many as the CPUs; none once the time is up
+    assert 1 <= started <= min(len(kernel_build.SOURCES), cpus.usable_cpus())
     with pytest.raises(RuntimeError, match="took over 0.5 s.*an earlier start"):
         onednn.build()
-    assert _starts(tmp_path) == 1
+    assert _starts(tmp_path) == started  # not run again
 
 
 @pytest.mark.parametrize(
