@@ -74,9 +74,12 @@ def quantize_kernel(kernel: Any) -> QuantizedKernel:
         )
     w = np.asarray(kernel, np.float32)
     flat = w.reshape(-1, w.shape[-1])
-    scale = (np.abs(flat).max(axis=0) / WEIGHT_LEVELS).astype(np.float32)
-    values = np.clip(np.rint(flat / np.where(scale == 0, 1, scale)), -WEIGHT_LEVELS, WEIGHT_LEVELS).astype(np.int8)
-    return QuantizedKernel(values.reshape(w.shape), scale, values.astype(np.int32).sum(axis=0))
+    # In place where it can be, without a widened copy for the sums: a load quantizes a whole UNet with this
+    scale = (np.maximum(flat.max(axis=0), -flat.min(axis=0)) / WEIGHT_LEVELS).astype(np.float32)
+    steps = flat / np.where(scale == 0, 1, scale)
+    np.clip(np.rint(steps, out=steps), -WEIGHT_LEVELS, WEIGHT_LEVELS, out=steps)
+    values = steps.astype(np.int8)
+    return QuantizedKernel(values.reshape(w.shape), scale, values.sum(axis=0, dtype=np.int32))
 
 
 def quantize_activations(x: jax.Array, per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
