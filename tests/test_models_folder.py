@@ -35,7 +35,9 @@ from engine.compat.pnginfo import png_info
 from engine.loading import models_folder
 from engine.loading.models_folder import HASH_CACHE, ModelsFolder, title_parts
 
-OPTIONS = dict(dtype="float32", safety_checker=False, previews=False, max_batch_size=2, sizes=None)
+# One picture at a time (every request here draws one): a warm-up then compiles its two guidance plans at the one
+# width, not also both at a batch's width of two, which no request here runs and closing an engine waits for.
+OPTIONS = dict(dtype="float32", safety_checker=False, previews=False, max_batch_size=1, sizes=None)
 DRAW = dict(seed=3, num_inference_steps=2, guidance_scale=5.0, height=64, width=64, num_images=1, scheduler="ddim")
 PROMPT = "a red circle on a blue background"
 A1111 = dict(seed=3, steps=2, cfg_scale=5.0, width=64, height=64, sampler_name="DDIM", batch_size=1)
