@@ -95,6 +95,8 @@ class Batcher:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._stop = False
+        # When a request last waited or drew (time.monotonic()), and whether a chunk is being drawn: `wait_until_idle`
+        self._last_busy, self._drawing = -float("inf"), False
         self.chunks_run = 0  # counters for tests and benchmarks
         self._thread = threading.Thread(target=self._loop, name="jax-sd-batcher", daemon=True)
         self._thread.start()
@@ -107,6 +109,7 @@ class Batcher:
             if len(self._inbox) + len(self._waiting) >= self.max_waiting:
                 raise Busy(f"the server is busy ({self.max_waiting} requests waiting); try again in a moment")
             self._inbox.append(job)
+            self._last_busy = time.monotonic()
         job.ticket._on_cancel = self._wake.set
         self._wake.set()
 
@@ -115,6 +118,17 @@ class Batcher:
             self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+    def wait_until_idle(self, quiet: float) -> bool:
+        """Blocks until no request has waited or drawn for `quiet` seconds: True then, False once the batcher is
+        closed. Work nobody waits for (the warm-up's plans after Ready) starts only then, so that it does not
+        halve the cores under a request that is drawing."""
+        while not self._stop:
+            left = quiet if self._drawing else self._last_busy + quiet - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.25))
+        return False
 
     @property
     def live_plans(self) -> list[Plan]:
@@ -128,11 +142,15 @@ class Batcher:
                 self._drop_cancelled()
                 self._place()
                 batch = self._next_batch()
+                self._drawing = batch is not None
+                if self._drawing or self._waiting:
+                    self._last_busy = time.monotonic()
                 if batch is None:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 self._run_chunk(batch)
+                self._last_busy = time.monotonic()
             except Exception:  # the loop itself must never die: log, fail nothing silently, go on
                 log.exception("batcher loop error")
                 time.sleep(0.1)

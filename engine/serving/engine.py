@@ -319,9 +319,9 @@ class Engine:
 
     def warmup(self, num_images: int | None = None, wait_for_all: bool = False) -> float:
         """Compiles the default request's programs and returns the seconds that took; the rest in the background."""
-        return compile_warmup(
-            self.programs, self.warmup_plans(num_images), self.images_per_device, num_images, wait_for_all
-        )
+        plans = self.warmup_plans(num_images)
+        wait = self._batcher.wait_until_idle
+        return compile_warmup(self.programs, plans, self.images_per_device, num_images, wait_for_all, wait)
 
     def start_warmup(self, num_images: int | None = None) -> Engine:
         """`warmup` in a background thread; `ready` and `warmup_state` say how it went."""
