@@ -8,8 +8,8 @@ The decode reads little of a plan (`decode_plan`): plans that differ only in sch
 the like share one compiled decode per width, held by each plan's lanes and dropped with the last of them.
 JAX's persistent compilation cache keeps every program on disk too, so a restart loads instead of compiling.
 Programs nobody waits for yet (the warm-up's after Ready: `request(background=True)`) are traced and compiled on
-threads of the lowest priority (`cpus.run_when_idle`), so that a request drawing meanwhile keeps the cores: on
-two cores it used to wait twice as long for its picture while they compiled.
+threads of the lowest priority (`cpus.run_when_idle`); the warm-up also asks for them only while the engine is idle
+(warmup.py says why a priority alone does not free the cores).
 """
 
 from __future__ import annotations
