@@ -77,14 +77,14 @@ def test_the_batcher_is_idle_once_no_request_has_waited_or_drawn_for_the_quiet_t
     batcher = Batcher(programs=None, params=None, blank=None, devices=[], lanes=None)
     try:
         start = time.monotonic()
-        assert batcher.wait_until_idle(5.0) and time.monotonic() - start < 1  # nothing asked yet: idle at once
-        batcher._last_busy = time.monotonic()  # a request waited or drew just now
+        assert batcher.idle.wait(5.0) and time.monotonic() - start < 1  # nothing asked yet: idle at once
+        batcher.idle.busy()  # a request waited or drew just now
         start = time.monotonic()
-        assert batcher.wait_until_idle(0.5) and time.monotonic() - start >= 0.5
-        batcher._drawing = True  # a chunk being drawn, however long ago it began
-        threading.Timer(0.6, lambda: setattr(batcher, "_drawing", False)).start()
+        assert batcher.idle.wait(0.5) and time.monotonic() - start >= 0.5
+        batcher.idle.busy(drawing=True)  # a chunk being drawn, however long it takes
+        threading.Timer(0.6, lambda: batcher.idle.busy(drawing=False)).start()
         start = time.monotonic()
-        assert batcher.wait_until_idle(0.2) and time.monotonic() - start >= 0.6
+        assert batcher.idle.wait(0.2) and time.monotonic() - start >= 0.8
     finally:
         batcher.close()
-    assert not batcher.wait_until_idle(5.0)  # closed: nothing more to warm up
+    assert not batcher.idle.wait(5.0)  # closed: nothing more to warm up

@@ -59,6 +59,29 @@ def report_positions(waiting: list[Job]) -> None:
             job.ticket.emit(Queued(position))
 
 
+class Idleness:
+    """When a request last waited or drew, and whether a chunk is being drawn: what work nobody waits for (the
+    warm-up's plans after Ready) waits on, so that it does not halve the cores under a request that is drawing."""
+
+    def __init__(self):
+        self.last_busy, self.drawing, self.closed = -float("inf"), False, False
+
+    def busy(self, drawing: bool | None = None) -> None:
+        """A request waits or draws now; `drawing`: whether a chunk is being drawn from now on."""
+        self.last_busy = time.monotonic()
+        if drawing is not None:
+            self.drawing = drawing
+
+    def wait(self, quiet: float) -> bool:
+        """Blocks until no request has waited or drawn for `quiet` seconds: True then, False once closed."""
+        while not self.closed:
+            left = quiet if self.drawing else self.last_busy + quiet - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.25))
+        return False
+
+
 class Batcher:
     """Owns the devices; `submit` hands it a Job, its thread does the rest."""
 
@@ -83,20 +106,15 @@ class Batcher:
         self._params_for = params_for or (lambda weights: params)
         self._blank = blank  # plan -> the job whose row an empty slot holds: no steps to run
         self._lanes = lanes  # the slot axis over the devices
-        self.preview = preview
+        self.preview, self.preview_every_s = preview, preview_every_s
         self.chunk_steps, self.max_waiting, self.max_live_plans = chunk_steps, max_waiting, max_live_plans
-        self.preview_every_s = preview_every_s
         self._inbox: deque[Job] = deque()
         self._waiting: list[Job] = []  # scheduler thread only, in callers' turns (`in_turns`)
         self._batches: dict[tuple, Batch] = {}  # Job.key -> its batch
-        self._turn = 0
         self._served: dict[str, int] = {}  # caller -> the admission count when it last got a slot (`in_turns`)
-        self._admissions = 0
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._stop = False
-        # When a request last waited or drew (time.monotonic()), and whether a chunk is being drawn: `wait_until_idle`
-        self._last_busy, self._drawing = -float("inf"), False
+        self._turn, self._admissions = 0, 0
+        self._wake, self._lock = threading.Event(), threading.Lock()
+        self._stop, self.idle = False, Idleness()  # `idle`: what the warm-up's later plans wait for
         self.chunks_run = 0  # counters for tests and benchmarks
         self._thread = threading.Thread(target=self._loop, name="jax-sd-batcher", daemon=True)
         self._thread.start()
@@ -109,26 +127,16 @@ class Batcher:
             if len(self._inbox) + len(self._waiting) >= self.max_waiting:
                 raise Busy(f"the server is busy ({self.max_waiting} requests waiting); try again in a moment")
             self._inbox.append(job)
-            self._last_busy = time.monotonic()
+            self.idle.busy()
         job.ticket._on_cancel = self._wake.set
         self._wake.set()
 
     def close(self) -> None:
         with self._lock:  # no request is taken after this (`submit`); the thread ends those it holds (`_loop`)
             self._stop = True
+        self.idle.closed = True
         self._wake.set()
         self._thread.join(timeout=30)
-
-    def wait_until_idle(self, quiet: float) -> bool:
-        """Blocks until no request has waited or drawn for `quiet` seconds: True then, False once the batcher is
-        closed. Work nobody waits for (the warm-up's plans after Ready) starts only then, so that it does not
-        halve the cores under a request that is drawing."""
-        while not self._stop:
-            left = quiet if self._drawing else self._last_busy + quiet - time.monotonic()
-            if left <= 0:
-                return True
-            time.sleep(min(left, 0.25))
-        return False
 
     @property
     def live_plans(self) -> list[Plan]:
@@ -142,15 +150,14 @@ class Batcher:
                 self._drop_cancelled()
                 self._place()
                 batch = self._next_batch()
-                self._drawing = batch is not None
-                if self._drawing or self._waiting:
-                    self._last_busy = time.monotonic()
+                if batch is not None or self._waiting:
+                    self.idle.busy(drawing=batch is not None)
                 if batch is None:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 self._run_chunk(batch)
-                self._last_busy = time.monotonic()
+                self.idle.busy(drawing=False)
             except Exception:  # the loop itself must never die: log, fail nothing silently, go on
                 log.exception("batcher loop error")
                 time.sleep(0.1)

@@ -320,7 +320,7 @@ class Engine:
     def warmup(self, num_images: int | None = None, wait_for_all: bool = False) -> float:
         """Compiles the default request's programs and returns the seconds that took; the rest in the background."""
         plans = self.warmup_plans(num_images)
-        wait = self._batcher.wait_until_idle
+        wait = self._batcher.idle.wait
         return compile_warmup(self.programs, plans, self.images_per_device, num_images, wait_for_all, wait)
 
     def start_warmup(self, num_images: int | None = None) -> Engine:
