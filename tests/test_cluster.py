@@ -384,8 +384,9 @@ def single_machine_pictures(workdir: Path) -> dict[int, np.ndarray]:
     """The users' pictures from the single-machine engine; its compile cache then serves the replicas."""
     engine.enable_compile_cache()  # the session's, which the replicas read
     pipe = engine.load_pipeline(None, max_batch_size=2, sizes=[(SIZE, SIZE)])
-    pipe.start_warmup(num_images=1)  # what every replica compiles, so that they load it from the cache
-    pipe.warmup_state.done.wait()
+    # What every replica compiles, so that they load it from the cache: all of the warm-up's plans, here and now (an
+    # engine compiles its plans after Ready only once it is idle, which this one never is before it closes)
+    pipe.warmup(num_images=1, wait_for_all=True)
     # All at once, as the users arrive: drawn two at a time, as on a replica.
     tickets = {seed: pipe.submit(request_for_user(k, seed)) for k, seed in enumerate(user_seeds())}
     pictures = {seed: np.asarray(t.result(timeout=DEADLINE_S).images[0], np.int16) for seed, t in tickets.items()}
@@ -423,8 +424,7 @@ def single_machine_klein(folder: Path) -> dict[str, np.ndarray]:
     build_reference(folder.parent / "klein-parts").save_pretrained(folder)  # distilled
     settings = klein_settings(folder)
     pipe = engine.load_pipeline(folder, max_batch_size=settings.max_batch_size, sizes=settings.engine_sizes())
-    pipe.start_warmup(num_images=1)
-    pipe.warmup_state.done.wait()
+    pipe.warmup(num_images=1, wait_for_all=True)  # all its plans, for the replica's cache (as above)
     plain = engine.GenerationRequest(KLEIN_PROMPT, seed=KLEIN_SEED, num_inference_steps=KLEIN_STEPS)
     requests = {"edit": dataclasses.replace(plain, references=(klein_reference(),)), "plain": plain}
     pictures = {
