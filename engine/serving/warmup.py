@@ -3,8 +3,7 @@
 The default request's plan at its own width first (Ready then), and after Ready the same size with guidance
 the other way (so the guidance slider crossing 1 compiles nothing) and the whole batch's width of both, one at a
 time, each once no request has waited or drawn for `QUIET_S` seconds (and not before `QUIET_S` after Ready:
-`Idleness.wait`), on threads of
-the lowest priority (`Programs.request(background=True)`). XLA's compiler also works on its CPU client's own
+`Idleness.wait`), on threads of the lowest priority (`Programs.request(background=True)`). XLA's compiler also works on its CPU client's own
 threads, which no priority reaches, and tracing holds Python's lock: on a Zen 3 core pair a picture asked for at
 Ready took 13.5 s while these compiled beside it, 5.6 s once they were done.
 """
@@ -76,8 +75,8 @@ def warmup(
     seconds = time.perf_counter() - start
     rest = [(other, own, True), (default, widths[-1], False), (other, widths[-1], False)]
     if wait_for_all:
-        for plan, width, pin in rest:
-            programs.request(plan, width, pin=pin).result()
+        for future in [programs.request(plan, width, pin=pin) for plan, width, pin in rest]:
+            future.result()  # asked for at once, compiled two at a time, as before Ready's plan
         return seconds
 
     def later() -> None:
