@@ -7,7 +7,7 @@ as the engine passes its params: XLA's f32 path as `layers.Conv` and `layers.Lin
 as `layers.gathered_conv` chooses), oneDNN's with the kernel reordered at every call, and oneDNN's with the kernel
 pinned (reordered once, as an `Engine` pins its params). Best of `--rounds`, each round timing a few calls; the
 systems take turns within a round, so a busy minute slows one round, not one system. Also our own f32 loops
-(GroupNorm + SiLU, GEGLU) against XLA's passes.
+(GroupNorm + SiLU, GEGLU, attention) against XLA's.
 
     python bench/kernels_f32.py --rounds 5
 """
@@ -73,7 +73,7 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from engine.nn import layers, onednn
+    from engine.nn import attention, layers, onednn
 
     if not onednn.registered():  # built whatever the CPU (the engine builds them only where it uses them)
         sys.exit("the oneDNN kernels are not built here (the log says why)")
@@ -145,6 +145,20 @@ def main() -> None:
         ("geglu 4096x2560", jax.random.normal(key, (4096, 2560)),
          lambda y: (lambda h, g: h * jax.nn.gelu(g, approximate=False))(*jnp.split(y, 2, axis=-1)), onednn.geglu),
     ]  # fmt: skip
+    # Attention at SD 2.1's 64x64 level (4096 tokens, 5 heads of 64): XLA's query blocks (what runs where the kernels
+    # are not loaded) against onednn.attention; logits of the usual spread, and ten times wider (most keys' weights
+    # underflow, where denormal products would cost a slow path).
+    for gain in (1.0, 10.0):
+        qkv = jax.random.normal(key, (3, 1, 4096, 5, 64)) * jnp.asarray([gain, 1.0, 1.0])[:, None, None, None, None]
+        block = attention.query_block(qkv.shape[1:], 4096)
+        loops.append(
+            (
+                f"attention 4096x5x64 x{gain:g}",
+                qkv,
+                lambda a, block=block: attention.blockwise_attention(*a, block),
+                lambda a: onednn.attention(*a),
+            )
+        )
     for name, x, xla, ours in loops:
         if args.only not in name:
             continue

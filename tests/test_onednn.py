@@ -458,6 +458,22 @@ def test_f32_attention_in_onednn_equals_the_plain_formulation_to_f32_rounding(b,
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # exp's polynomial: 3e-6 relative
 
 
+def test_f32_attention_whose_far_keys_underflow_equals_the_plain_formulation():
+    """Logits spread over hundreds: most keys' weights fall to 2^-126 or below, and their products with v underflow
+    (flushed to zero, as XLA's own threads compute), which changes nothing the plain formulation keeps."""
+    _built_or_skip()
+    from engine.nn import attention as attn
+
+    r = np.random.RandomState(3)
+    q, k, v = (jnp.asarray(r.randn(1, 300, 2, 64).astype(np.float32) * g) for g in (40, 1, 1))
+    got = jax.jit(onednn.attention)(q, k, v)
+    want = attn.softmax_attention(q, k, v)
+    logits = jnp.einsum("bnhd,bmhd->bhnm", q, k) / 8
+    below = logits.max(axis=-1, keepdims=True) - logits > 88  # exp(-88) < 2^-126, the smallest normal float
+    assert float(below.mean()) > 0.5
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_long_f32_self_attention_runs_in_one_onednn_call_where_the_kernels_are_loaded():
     _built_or_skip()
     from engine.nn import attention as attn

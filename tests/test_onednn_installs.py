@@ -149,18 +149,24 @@ np.savez(sys.argv[1], **np.load(sys.argv[1]), attention=onednn.attention(*(jnp.a
 """
 
 
-@pytest.fixture(scope="module")
-def capped(tmp_path_factory):
-    """What the f32 and int8 kernels computed in a process run under ONEDNN_MAX_CPU_ISA=AVX2 (and XLA's AVX2 cap),
-    with f32 layers sent to oneDNN (JAX_SD_ONEDNN=1): the library is built here first, so that it only loads there."""
-    if "avx2" not in onednn.cpu_flags():
-        pytest.skip("this CPU has no AVX2: there is no AVX2 class to cap it to")
+def _built_or_skip_here() -> None:
+    """Builds the library here, so that a capped process only loads it; skips (or under JAX_SD_TEST_ONEDNN=required
+    fails) where it cannot be built."""
     try:
         onednn.build()
     except RuntimeError as err:
         if os.environ.get("JAX_SD_TEST_ONEDNN") == "required":
             pytest.fail(str(err))
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """What the f32 and int8 kernels computed in a process run under ONEDNN_MAX_CPU_ISA=AVX2 (and XLA's AVX2 cap),
+    with f32 layers sent to oneDNN (JAX_SD_ONEDNN=1): the library is built here first, so that it only loads there."""
+    if "avx2" not in onednn.cpu_flags():
+        pytest.skip("this CPU has no AVX2: there is no AVX2 class to cap it to")
+    _built_or_skip_here()
     out = tmp_path_factory.mktemp("capped") / "capped.npz"
     flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_max_isa=AVX2"]).strip()
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "JAX_SD_ONEDNN": "1", "XLA_FLAGS": flags}
@@ -199,6 +205,34 @@ def test_under_the_avx2_cap_f32_attention_and_its_avx2_softmax_equal_the_plain_f
 
     want = softmax_attention(*(jnp.asarray(a) for a in capped["attention_qkv"]))  # 45 keys: 5 past the last 8
     np.testing.assert_allclose(capped["attention"], want, rtol=2e-5, atol=2e-5)
+
+
+BELOW_AVX2 = """
+import sys
+import jax.numpy as jnp, numpy as np
+from engine.nn import onednn
+
+assert onednn.registered(), "the kernels did not load under the cap"
+qkv = np.stack([np.random.default_rng(1).normal(size=(2, 45, 3, 16)).astype(np.float32) * 3 for _ in range(3)])
+np.savez(sys.argv[1], qkv=qkv, attention=onednn.attention(*(jnp.asarray(a) for a in qkv)))
+"""
+
+
+def test_below_avx2_f32_attention_takes_onednn_s_logits_and_the_plain_softmax_to_the_same_values(tmp_path):
+    """ONEDNN_MAX_CPU_ISA=SSE41: neither our AVX2 logits and softmax nor oneDNN's AVX2 kernels; what a CPU without
+    AVX2 would run."""
+    _built_or_skip_here()
+    out = tmp_path / "below.npz"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "SSE41", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", BELOW_AVX2, str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    from engine.nn.attention import softmax_attention
+
+    got = dict(np.load(out))
+    want = softmax_attention(*(jnp.asarray(a) for a in got["qkv"]))
+    np.testing.assert_allclose(got["attention"], want, rtol=2e-5, atol=2e-5)
 
 
 def _picture():

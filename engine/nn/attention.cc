@@ -1,5 +1,6 @@
-// Attention as one XLA FFI handler (engine/nn/onednn.py): oneDNN's two products per block of queries around our own
-// softmax (cpu_loops.cc), built into the same library as onednn.cc.
+// Attention as one XLA FFI handler (engine/nn/onednn.py): two products per block of queries around our own softmax
+// (cpu_loops.cc), built into the same library as onednn.cc. The weighted sum is oneDNN's; so are the logits in bf16,
+// and in f32 where the CPU has no AVX2, while f32 with AVX2 takes our own logits kernel (cpu_loops.cc logits_f32).
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
@@ -26,12 +27,14 @@ using namespace jax_sd;
 // softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (all bf16, or all f32), out [B, N, H, D].
 // Each (image, head)'s k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not
 // once per block of queries); then for each (image, head, block of queries) on a thread of its own: the block's
-// queries copied into contiguous rows, the logits [rows, M] from oneDNN (single-threaded inside the parallel loop),
+// queries copied into contiguous rows, the logits [rows, M] (single-threaded inside the parallel loop),
 // the softmax over them while they are in the cache, the weights as bf16 (or in f32, over the logits themselves) into
 // the second product, then each row divided by its sum. Nothing the size of all the logits is ever written. In f32
 // (CPUs without native bf16) this replaces XLA's query blocks, which copy k and v into their layout again for every
 // block and run the softmax in passes of their own: SD 2.1's 4096-token self-attention on a Zen 3 core pair went
-// from XLA's 2.8 s to 1.5 s (cores loaded by other work; nn/attention.py CPU_ONEDNN_F32_KEYS).
+// from XLA's 2.8 s to 1.5 s (cores loaded by other work; nn/attention.py CPU_ONEDNN_F32_KEYS). Our own f32 logits
+// took SD 2.1's 4096-token attention (5 heads of 64) from about 220 to 160 ms on a quiet Zen 3 core pair, and
+// flushing denormals (FlushDenormals) keeps wide logits from costing 40% more (bench/kernels_f32.py's attention).
 constexpr int64_t kAttentionRows = 256;
 
 struct AttentionPrims {
@@ -100,8 +103,11 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   } catch (const dnnl::error& e) {
     return failed(e.what());
   }
-  // Each (image, head)'s k^T and v, reordered from their strided place in k and v.
-  const size_t k_size = full->logits_pd.weights_desc().get_size(), v_size = full->out_pd.weights_desc().get_size();
+  // Each (image, head)'s k^T and v, reordered from their strided place in k and v; in f32 with AVX2, k in our own
+  // panels for logits_f32 instead of oneDNN's layout.
+  const bool own_logits = f32 && logits_f32_serves();
+  const size_t k_size = own_logits ? key_panels_size(m, d) * 4 : full->logits_pd.weights_desc().get_size(),
+               v_size = full->out_pd.weights_desc().get_size();
   char* packed_kv = static_cast<char*>(keys_buffer.at_least((k_size + v_size) * b * h));
   std::vector<char> broken(b);
 #pragma omp parallel for
@@ -114,11 +120,16 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     const int64_t kv_at = ((pair / h) * m * h + pair % h) * d * size;  // bytes
     try {
       dnnl::stream stream(cpu());
-      memory k_given(memory::desc({d, m}, dt, memory::dims{1, h * d}), cpu(), const_cast<char*>(kp + kv_at)),
-          k_packed(full->logits_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size)),
-          v_given(memory::desc({m, d}, dt, memory::dims{h * d, 1}), cpu(), const_cast<char*>(vp + kv_at)),
-          v_packed(full->out_pd.weights_desc(), cpu(), packed_kv + pair * (k_size + v_size) + k_size);
-      dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
+      char* packed = packed_kv + pair * (k_size + v_size);
+      memory v_given(memory::desc({m, d}, dt, memory::dims{h * d, 1}), cpu(), const_cast<char*>(vp + kv_at)),
+          v_packed(full->out_pd.weights_desc(), cpu(), packed + k_size);
+      if (own_logits) {
+        pack_key_panels(reinterpret_cast<const float*>(kp + kv_at), h * d, m, d, reinterpret_cast<float*>(packed));
+      } else {
+        memory k_given(memory::desc({d, m}, dt, memory::dims{1, h * d}), cpu(), const_cast<char*>(kp + kv_at)),
+            k_packed(full->logits_pd.weights_desc(), cpu(), packed);
+        dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
+      }
       dnnl::reorder(v_given, v_packed).execute(stream, v_given, v_packed);
       stream.wait();
     } catch (const dnnl::error& e) {
@@ -141,6 +152,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       continue;
     }
     AttentionPrims* prims = rows == std::min(n, kAttentionRows) ? full : tail;
+    FlushDenormals flushed;
     try {
       dnnl::stream stream(cpu());
       char* queries = static_cast<char*>(queries_buffer.at_least(rows * d * size));
@@ -150,10 +162,14 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       const int64_t q_at = ((image * n + row0) * h + head) * d;
       for (int64_t r = 0; r < rows; ++r) std::memcpy(queries + r * d * size, qp + (q_at + r * h * d) * size, d * size);
       char* kv = packed_kv + (image * h + head) * (k_size + v_size);
-      memory qm(prims->logits_pd.src_desc(), cpu(), queries), km(prims->logits_pd.weights_desc(), cpu(), kv),
-          lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
-      prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
-                                     {DNNL_ARG_SCRATCHPAD, s1}});
+      if (own_logits) {
+        logits_f32(reinterpret_cast<const float*>(queries), rows, d, reinterpret_cast<const float*>(kv), m, logits);
+      } else {
+        memory qm(prims->logits_pd.src_desc(), cpu(), queries), km(prims->logits_pd.weights_desc(), cpu(), kv),
+            lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
+        prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
+                                       {DNNL_ARG_SCRATCHPAD, s1}});
+      }
       std::vector<float> sums(rows);
       if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
       else softmax_rows(logits, static_cast<uint16_t*>(weights), sums.data(), rows, m, scale);

@@ -156,6 +156,85 @@ void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float
   else softmax_rows_f32_plain(logits, sums, rows, m, scale);
 }
 
+int64_t key_panels_size(int64_t m, int64_t d) { return (m + kPanelKeys - 1) / kPanelKeys * kPanelKeys * d; }
+
+void pack_key_panels(const float* k, int64_t stride, int64_t m, int64_t d, float* panels) {
+  for (int64_t key0 = 0; key0 < m; key0 += kPanelKeys) {
+    float* panel = panels + key0 * d;
+    const int64_t keys = std::min(kPanelKeys, m - key0);
+    for (int64_t c = 0; c < d; ++c) {
+      for (int64_t j = 0; j < keys; ++j) panel[c * kPanelKeys + j] = k[(key0 + j) * stride + c];
+      for (int64_t j = keys; j < kPanelKeys; ++j) panel[c * kPanelKeys + j] = 0.f;
+    }
+  }
+}
+
+// R query rows (R <= 6) against one panel of 16 keys: 2R accumulators of 8 lanes, one broadcast query value and two
+// loads of the panel per step of the head's width, which keeps both FMA units busy at any width (oneDNN 3.2's f32
+// gemm on AVX2 packs k^T again at every call and runs a width-64 product at half the rate of the weighted sum's
+// width-4096 one). The first `keys` logits of each row are stored, the rest of a last panel under a mask.
+template <int R>
+__attribute__((target("avx2,fma"))) inline void logits_tile(const float* q, int64_t d, const float* panel,
+                                                              float* out, int64_t m, int64_t keys) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    const __m256 k_lo = _mm256_loadu_ps(panel + c * kPanelKeys), k_hi = _mm256_loadu_ps(panel + c * kPanelKeys + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(q + r * d + c);
+      lo[r] = _mm256_fmadd_ps(x, k_lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, k_hi, hi[r]);
+    }
+  }
+  if (keys == kPanelKeys) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * m, lo[r]);
+      _mm256_storeu_ps(out + r * m + 8, hi[r]);
+    }
+    return;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(keys)), lane),
+                mask_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(keys) - 8), lane);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(out + r * m, mask_lo, lo[r]);
+    _mm256_maskstore_ps(out + r * m + 8, mask_hi, hi[r]);
+  }
+}
+
+// Each panel in turn (4 KB at width 64, in L1) against every group of six rows (the block of queries stays in L2).
+__attribute__((target("avx2,fma"))) void logits_f32_avx2(const float* q, int64_t rows, int64_t d,
+                                                           const float* panels, int64_t m, float* logits) {
+  for (int64_t key0 = 0; key0 < m; key0 += kPanelKeys) {
+    const float* panel = panels + key0 * d;
+    const int64_t keys = std::min(kPanelKeys, m - key0);
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6) logits_tile<6>(q + r * d, d, panel, logits + r * m + key0, m, keys);
+    float* out = logits + r * m + key0;
+    switch (rows - r) {
+      case 5: logits_tile<5>(q + r * d, d, panel, out, m, keys); break;
+      case 4: logits_tile<4>(q + r * d, d, panel, out, m, keys); break;
+      case 3: logits_tile<3>(q + r * d, d, panel, out, m, keys); break;
+      case 2: logits_tile<2>(q + r * d, d, panel, out, m, keys); break;
+      case 1: logits_tile<1>(q + r * d, d, panel, out, m, keys); break;
+      default: break;
+    }
+  }
+}
+
+bool logits_f32_serves() {
+  static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
+  return avx2;
+}
+
+void logits_f32(const float* q, int64_t rows, int64_t d, const float* panels, int64_t m, float* logits) {
+  logits_f32_avx2(q, rows, d, panels, m, logits);
+}
+
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");

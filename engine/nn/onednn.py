@@ -325,8 +325,8 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
-    head and block of 256 queries, the logits from oneDNN, their softmax in f32 (AVX-512 exponentials for bf16, AVX2 for f32), the
-    weights in q's precision into oneDNN's second product. f32 q, k and v stay f32; any other dtype is cast to bf16.
+    head and block of 256 queries, the logits (oneDNN's; in f32 with AVX2 our own kernel), their softmax in f32
+    (AVX-512 exponentials for bf16, AVX2 for f32), the weights in q's precision into oneDNN's second product. f32 q, k and v stay f32; any other dtype is cast to bf16.
     The output is q's dtype."""
     given = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
