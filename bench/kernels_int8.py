@@ -116,7 +116,7 @@ def main() -> None:
         x = jax.nn.silu(jax.random.normal(key, (b, h, w, cin)))  # as a ResNet block's GroupNorm + SiLU feeds it
         kernel, bias = layer.kernel[...], layer.bias[...]
         pad = ((k // 2, k // 2),) * 2
-        quantized = int8.quantize_kernel(kernel)
+        quantized = jax.device_put(int8.quantize_kernel(kernel))  # pinned only on the device, as an Engine's
         graph, state = nnx.split(layer)
         systems = {
             "f32": (jax.jit(lambda x, state, graph=graph: nnx.merge(graph, state)(x)), (x, state)),
@@ -130,7 +130,7 @@ def main() -> None:
         layer = layers.linear(kk, n, nnx.Rngs(0))
         x = jax.random.normal(key, (m, kk))
         kernel, bias = layer.kernel[...], layer.bias[...]
-        quantized = int8.quantize_kernel(kernel)
+        quantized = jax.device_put(int8.quantize_kernel(kernel))  # pinned only on the device, as an Engine's
         graph, state = nnx.split(layer)
         systems = {
             "f32": (jax.jit(lambda x, state, graph=graph: nnx.merge(graph, state)(x)), (x, state)),
@@ -191,6 +191,8 @@ def unet_step(rounds: int) -> None:
     print(cpu_line())
     graph, params = nnx.split(UNet2DConditionModel(UNetConfig(**SD2_UNET), nnx.Rngs(0)))
     quantized = quantize_params(nnx.State({"unet": params}), "unet", mode="w8a8")["unet"]
+    # On the device as an Engine puts them: pin keeps only device buffers, and numpy leaves would be copied per call
+    params, quantized = jax.device_put(params), jax.device_put(quantized)
     pinned = onednn.pin(quantized, int8_values=int8.kernel_values(quantized))  # as an Engine pins its params
     x = jax.random.normal(jax.random.key(0), (1, 64, 64, 4))
     context = jax.random.normal(jax.random.key(1), (1, 77, 1024))
