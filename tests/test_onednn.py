@@ -474,6 +474,24 @@ def test_f32_attention_whose_far_keys_underflow_equals_the_plain_formulation():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_an_f32_1x1_convolution_runs_in_onednn_where_the_kernels_are_loaded_and_a_3x3_one_in_xla(monkeypatch):
+    """A w8a8 denoiser's f32 shortcuts: oneDNN's 1x1 kernel is twice XLA's on AVX2, its 3x3 ones are not."""
+    _built_or_skip()
+    monkeypatch.delenv(onednn.SWITCH, raising=False)  # f32 layers otherwise in XLA
+    assert onednn.loaded() and onednn.serves_pointwise(jnp.float32) and not onednn.serves(jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (1, 6, 5, 24))
+    for size, calls in ((1, 1), (3, 0)):
+        conv = layers.conv(24, 16, size, nnx.Rngs(0), padding=size // 2)
+        program = jax.jit(lambda x, conv=conv: conv(x))
+        assert program.lower(x).as_text().count(onednn.CONV) == calls
+        want = jax.lax.conv_general_dilated(
+            x, conv.kernel[...], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            precision=jax.lax.Precision.HIGHEST,
+        ) + conv.bias[...]  # fmt: skip
+        np.testing.assert_allclose(program(x), want, rtol=1e-5, atol=1e-5)
+    assert not onednn.serves_pointwise(jnp.bfloat16)
+
+
 def test_long_f32_self_attention_runs_in_one_onednn_call_where_the_kernels_are_loaded():
     _built_or_skip()
     from engine.nn import attention as attn

@@ -137,7 +137,8 @@ class Conv(nnx.Conv):
             bias = self.bias[...] if self.bias is not None else None
             return (int8.conv(x, self.kernel.get_value(), bias, strides, tuple(map(tuple, self.padding))),)
         kernel = self.kernel[...]
-        if self._plain() and onednn.serves(kernel.dtype):
+        pointwise = (kh, kw) == (1, 1) and onednn.serves_pointwise(kernel.dtype)
+        if self._plain() and (onednn.serves(kernel.dtype) or pointwise):
             bias = self.bias[...] if self.bias is not None else None
             out_dtype = jnp.result_type(x.dtype, kernel.dtype)
             return onednn.conv(x, kernel, bias, strides, tuple(map(tuple, self.padding)), out_dtype, add, relu)

@@ -214,6 +214,14 @@ def serves(kernel_dtype) -> bool:
     return kernels_for(name) and registered()
 
 
+def serves_pointwise(kernel_dtype) -> bool:
+    """Whether an f32 1x1 convolution calls oneDNN where `serves` leaves f32 layers to XLA: wherever the kernels are
+    already loaded in this process (by a w8a8 denoiser's int8 products, whose ResNet shortcuts stay f32), as long
+    f32 attention does. oneDNN's 1x1 kernel ran SD-Turbo's 64x64 640->320 shortcut 2.0x XLA's (149 against 73
+    GFLOP/s) on a Zen 3 core pair; its 3x3 ones only 1.0-1.3x, so those stay in XLA (bench/kernels_f32.py)."""
+    return jax.default_backend() == "cpu" and kernel_dtype == jnp.float32 and loaded()
+
+
 def compute_path(dtype: str, backend: str | None = None, int8: bool = False) -> str:
     """For people: the networks' dtype and what computes their products on this host, in one line, such as
     "bfloat16, oneDNN's bf16 kernels (avx512_bf16)", "float32, XLA (avx2)" or "bfloat16, XLA (avx2, no native bf16:
