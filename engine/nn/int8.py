@@ -4,9 +4,10 @@ int8 kernels (`int8.cc`).
 
 Why: a CPU without native bf16 (AVX2: Zen 2/3, Intel Core) computes f32 products at a fraction of what its int8
 instructions do (AVX2's vpmaddubsw: 32 u8 x s8 products a cycle into s16 pairs, twice f32's FMA rate, on a quarter
-of the bytes). Measured on 2 loaded Zen 3 cores (bench/kernels_int8.py, best of 5, quantization passes included),
-against XLA's f32: SD-Turbo's 3x3 convolutions at 64x64 2.5x, 32x32 1.9-2.7x, 16x16 1.6-2.1x, 8x8 level (1.0x); its
-linear layers 1.1x (64x64's GEGLU projection, bound by its 4096x2560 output) to 3.5x; its whole UNet step 1.62x.
+of the bytes). Measured on 2 shared Zen 3 cores (bench/kernels_int8.py, best of 3, quantization passes included,
+kernels pinned as an Engine pins them), against XLA's f32: SD-Turbo's 3x3 convolutions at 64x64 2.4-2.6x, 32x32
+2.6x, 16x16 1.7-2.5x, 8x8 3.0-3.3x; its linear layers 1.2x (64x64's GEGLU projection, bound by its 4096x2560
+output) to 2.2x.
 XLA's own int8 (`lax.conv_general_dilated`/`dot_general` on s8) ran 1.1x: it is the fallback only.
 
 The arithmetic, for a kernel w [..., in, out] and activations x:
