@@ -105,7 +105,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   }
   // Each (image, head)'s k^T and v, reordered from their strided place in k and v; in f32 with AVX2, k in our own
   // panels for logits_f32 instead of oneDNN's layout.
-  const bool own_logits = f32 && logits_f32_serves();
+  const bool own_logits = f32 && f32_loops_avx2();
   const size_t k_size = own_logits ? key_panels_size(m, d) * 4 : full->logits_pd.weights_desc().get_size(),
                v_size = full->out_pd.weights_desc().get_size();
   char* packed_kv = static_cast<char*>(keys_buffer.at_least((k_size + v_size) * b * h));

@@ -148,11 +148,15 @@ bool isa_allowed(dnnl::cpu_isa isa) {
   return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bits) == bits;
 }
 
+bool f32_loops_avx2() {
+  static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
+  return avx2;
+}
+
 // The AVX2 loop on AVX-512 CPUs too: f32 attention is the path of CPUs without native bf16, and an AVX-512 one with
 // bf16 runs its attention in bf16 (softmax_rows_avx512).
 void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float scale) {
-  static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
-  if (avx2) softmax_rows_f32_avx2(logits, sums, rows, m, scale);
+  if (f32_loops_avx2()) softmax_rows_f32_avx2(logits, sums, rows, m, scale);
   else softmax_rows_f32_plain(logits, sums, rows, m, scale);
 }
 
@@ -207,8 +211,8 @@ __attribute__((target("avx2,fma"))) inline void logits_tile(const float* q, int6
 }
 
 // Each panel in turn (4 KB at width 64, in L1) against every group of six rows (the block of queries stays in L2).
-__attribute__((target("avx2,fma"))) void logits_f32_avx2(const float* q, int64_t rows, int64_t d,
-                                                           const float* panels, int64_t m, float* logits) {
+__attribute__((target("avx2,fma"))) void logits_f32(const float* q, int64_t rows, int64_t d, const float* panels,
+                                                      int64_t m, float* logits) {
   for (int64_t key0 = 0; key0 < m; key0 += kPanelKeys) {
     const float* panel = panels + key0 * d;
     const int64_t keys = std::min(kPanelKeys, m - key0);
@@ -224,15 +228,6 @@ __attribute__((target("avx2,fma"))) void logits_f32_avx2(const float* q, int64_t
       default: break;
     }
   }
-}
-
-bool logits_f32_serves() {
-  static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
-  return avx2;
-}
-
-void logits_f32(const float* q, int64_t rows, int64_t d, const float* panels, int64_t m, float* logits) {
-  logits_f32_avx2(q, rows, d, panels, m, logits);
 }
 
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {

@@ -33,17 +33,21 @@ inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDN
 // Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
 void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale);
 
-// The same in f32, in place: each row of logits [rows, m] becomes its unnormalised weights exp((x - max) * scale).
+// The same in f32, in place: each row of logits [rows, m] becomes its unnormalised weights exp((x - max) * scale)
+// (AVX2 where f32_loops_avx2, else plain C++).
 void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float scale);
 
-// q k^T in f32 for CPUs with AVX2 (logits_f32_serves; ONEDNN_MAX_CPU_ISA caps it as oneDNN's own kernels): each
+// Whether the f32 loops run in AVX2 here: the CPU has it and ONEDNN_MAX_CPU_ISA lets oneDNN use it, so that a capped
+// process measures the class it is capped to.
+bool f32_loops_avx2();
+
+// q k^T in f32, only where f32_loops_avx2 (it is AVX2 code; elsewhere attention takes oneDNN's logits): each
 // (image, head)'s keys k [m, d] (rows `stride` floats apart) packed once into panels of kPanelKeys keys, each
 // [d][kPanelKeys] with zeros past m (key_panels_size floats), then the logits [rows, m] of a block of contiguous
 // queries q [rows, d] against them.
 constexpr int64_t kPanelKeys = 16;
 int64_t key_panels_size(int64_t m, int64_t d);
 void pack_key_panels(const float* k, int64_t stride, int64_t m, int64_t d, float* panels);
-bool logits_f32_serves();
 void logits_f32(const float* q, int64_t rows, int64_t d, const float* panels, int64_t m, float* logits);
 
 }  // namespace jax_sd
