@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 
 from engine.serving import warmup
-from engine.serving.batcher import Batcher
+from engine.serving.batcher import Batcher, Idleness
 
 
 class FakePlan:
@@ -82,9 +82,21 @@ def test_the_batcher_is_idle_once_no_request_has_waited_or_drawn_for_the_quiet_t
         start = time.monotonic()
         assert batcher.idle.wait(0.5) and time.monotonic() - start >= 0.5
         batcher.idle.busy(drawing=True)  # a chunk being drawn, however long it takes
+        start = time.monotonic()  # before the timer starts, so that its 0.6 s are counted from here
         threading.Timer(0.6, lambda: batcher.idle.busy(drawing=False)).start()
-        start = time.monotonic()
         assert batcher.idle.wait(0.2) and time.monotonic() - start >= 0.8
     finally:
         batcher.close()
     assert not batcher.idle.wait(5.0)  # closed: nothing more to warm up
+
+
+def test_a_chunk_that_raises_leaves_the_engine_idle_not_drawing():
+    idle = Idleness()
+    try:
+        with idle.drawing_chunk():
+            assert idle.drawing
+            raise RuntimeError("the chunk failed")
+    except RuntimeError:
+        pass
+    start = time.monotonic()
+    assert not idle.drawing and idle.wait(0.2) and 0.15 <= time.monotonic() - start < 1  # quiet once, then idle

@@ -16,6 +16,7 @@ program fails that batch's requests, and the next batch is served.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -71,6 +72,15 @@ class Idleness:
         self.last_busy = time.monotonic()
         if drawing is not None:
             self.drawing = drawing
+
+    @contextlib.contextmanager
+    def drawing_chunk(self):
+        """Drawing while in scope, however the chunk ends (a chunk that raises leaves the engine idle, not drawing)."""
+        self.busy(drawing=True)
+        try:
+            yield
+        finally:
+            self.busy(drawing=False)
 
     def wait(self, quiet: float) -> bool:
         """Blocks until no request has waited or drawn for `quiet` seconds: True then, False once closed."""
@@ -150,14 +160,14 @@ class Batcher:
                 self._drop_cancelled()
                 self._place()
                 batch = self._next_batch()
-                if batch is not None or self._waiting:
-                    self.idle.busy(drawing=batch is not None)
+                if self._waiting:
+                    self.idle.busy()
                 if batch is None:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                self._run_chunk(batch)
-                self.idle.busy(drawing=False)
+                with self.idle.drawing_chunk():
+                    self._run_chunk(batch)
             except Exception:  # the loop itself must never die: log, fail nothing silently, go on
                 log.exception("batcher loop error")
                 time.sleep(0.1)
