@@ -216,8 +216,8 @@ def serves(kernel_dtype) -> bool:
 
 def serves_pointwise(kernel_dtype) -> bool:
     """Whether an f32 1x1 convolution calls oneDNN where `serves` leaves f32 layers to XLA: wherever the kernels are
-    already loaded in this process (by a w8a8 denoiser's int8 products, whose ResNet shortcuts stay f32), as long
-    f32 attention does. oneDNN's 1x1 kernel ran SD-Turbo's 64x64 640->320 shortcut 2.0x XLA's (149 against 73
+    already loaded in this process (by a w8a8 denoiser's int8 products, whose ResNet shortcuts stay f32), the rule
+    long f32 self-attention follows. oneDNN's 1x1 kernel ran SD-Turbo's 64x64 640->320 shortcut 2.0x XLA's (149 against 73
     GFLOP/s) on a Zen 3 core pair; its 3x3 ones only 1.0-1.3x, so those stay in XLA (bench/kernels_f32.py)."""
     return jax.default_backend() == "cpu" and kernel_dtype == jnp.float32 and loaded()
 
@@ -334,8 +334,8 @@ def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
     head and block of 256 queries, the logits (oneDNN's; in f32 with AVX2 our own kernel), their softmax in f32
-    (AVX-512 exponentials for bf16, AVX2 for f32), the weights in q's precision into oneDNN's second product. f32 q, k and v stay f32; any other dtype is cast to bf16.
-    The output is q's dtype."""
+    (AVX-512 exponentials for bf16, AVX2 for f32), the weights in q's precision into oneDNN's second product. f32 q,
+    k and v stay f32; any other dtype is cast to bf16. The output is q's dtype."""
     given = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(*(a.astype(given) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))

@@ -3,9 +3,9 @@
 The default request's plan at its own width first (Ready then), and after Ready the same size with guidance
 the other way (so the guidance slider crossing 1 compiles nothing) and the whole batch's width of both, one at a
 time, each once no request has waited or drawn for `QUIET_S` seconds (and not before `QUIET_S` after Ready:
-`Idleness.wait`), on threads of the lowest priority (`Programs.request(background=True)`). XLA's compiler also works on its CPU client's own
-threads, which no priority reaches, and tracing holds Python's lock: on a Zen 3 core pair a picture asked for at
-Ready took 13.5 s while these compiled beside it, 5.6 s once they were done.
+`Idleness.wait`), on threads of the lowest priority (`Programs.request(background=True)`). XLA's compiler also
+works on its CPU client's own threads, which no priority reaches, and tracing holds Python's lock: on a Zen 3 core
+pair a picture asked for at Ready took 13.5 s while these compiled beside it, 5.6 s once they were done.
 """
 
 from __future__ import annotations
