@@ -97,6 +97,14 @@ def int8_components(denoiser: str, configs: Mapping[str, type], mode: str) -> tu
     return ((denoiser,) if mode == "int8" else ()) + text
 
 
+def w8a8_quantizer(path: tuple) -> Callable[[Any], int8.QuantizedKernel]:
+    """How w8a8 quantizes the kernel at `path`: a convolution that follows a nearest 2x upsampling (a UNet's
+    `upsamplers.0.conv`, which `Conv.upsampled` runs) with its phase kernels beside it
+    (`int8.quantize_upsampling_kernel`: 16/36 of its products), any other as it is (`int8.quantize_kernel`)."""
+    upsampling = "upsamplers" in (str(part) for part in path)
+    return int8.quantize_upsampling_kernel if upsampling else int8.quantize_kernel
+
+
 def unet_w8a8(path: tuple) -> bool:
     """The UNet families' `Denoiser.w8a8` rule, by a kernel's path below the UNet: every linear and convolution
     kernel but KEEP_FLOAT's (the first and last convolutions, the 1x1 shortcuts)."""
@@ -149,9 +157,13 @@ def quantize_params(
         return _replace(
             params,
             lambda path, value: _computes_in_int8(path, value, components, min_size, takes),
-            int8.quantize_kernel,
+            lambda path, value: w8a8_quantizer(path)(value),
         )
-    return _replace(params, lambda path, value: _quantizable(path, value, components, min_size), quantize_kernel)
+    return _replace(
+        params,
+        lambda path, value: _quantizable(path, value, components, min_size),
+        lambda _, value: quantize_kernel(value),
+    )
 
 
 def w8a8_rule(takes: Callable[[tuple[str, ...]], bool] | None, components: set[str]) -> Callable:
@@ -192,7 +204,7 @@ def streaming(
 
     def quantizer(path: tuple, value: Any) -> Callable[[Any], Any] | None:
         if w8a8 is not None and _computes_in_int8(path, value, {computed}, min_size, takes):
-            return int8.quantize_kernel
+            return w8a8_quantizer(path)
         return quantize_kernel if _quantizable(path, value, chosen, min_size) else None
 
     return quantizer
@@ -202,15 +214,17 @@ def quantize_module(params: nnx.State, min_size: int = MIN_SIZE) -> nnx.State:
     """One module's own params (not a `Models` tree: `nnx.split(module)`'s) with every linear kernel of at least
     `min_size` entries an `Int8Kernel`, as `quantize_params` makes a component's: a text encoder kept on the host
     (`loading.host_encoder`), whose program widens them as the devices' do (`dequantize`)."""
-    return _replace(params, lambda path, value: _quantizable(path, value, None, min_size), quantize_kernel)
+    return _replace(
+        params, lambda path, value: _quantizable(path, value, None, min_size), lambda _, value: quantize_kernel(value)
+    )
 
 
 def _replace(params: nnx.State, chooses: Any, quantize: Any) -> nnx.State:
-    """`params` with each leaf that `chooses(path, value)` replaced by `quantize(value)`, a few at once."""
+    """`params` with each leaf that `chooses(path, value)` replaced by `quantize(path, value)`, a few at once."""
     flat = list(nnx.to_flat_state(params))
     chosen = [i for i, (path, var) in enumerate(flat) if chooses(path, var.get_value())]
     with ThreadPoolExecutor(THREADS, thread_name_prefix="jax-sd-quantize") as pool:
-        done = dict(zip(chosen, pool.map(lambda i: quantize(flat[i][1].get_value()), chosen), strict=True))
+        done = dict(zip(chosen, pool.map(lambda i: quantize(flat[i][0], flat[i][1].get_value()), chosen), strict=True))
     return nnx.from_flat_state(
         [(path, var.replace(done[i]) if i in done else var) for i, (path, var) in enumerate(flat)]
     )
@@ -224,7 +238,9 @@ def quantize_tiny_decoder(params: nnx.State) -> nnx.State:
     Why: TAESD's decode is most of a 512x512 picture's fixed part on a CPU without native bf16 (~140 GFLOP, nearly
     all of it 64-channel 3x3 convolutions at 256x256 and 512x512): on 2 loaded Zen 3 cores 5.7 s in XLA's f32, 3.8 s
     in int8, oneDNN's f32 6.7 s (bench/fixed_part.py). Only the decoder: the encoder (img2img's) keeps its precision.
-    A TAESD is told by its layout, the decoder's layers in one list (`vae.decoder.layers.N`, models/autoencoder_tiny.py).
+    A TAESD is told by its layout, the decoder's layers in one list (`vae.decoder.layers.N`, models/autoencoder_tiny.py),
+    where the convolutions directly in the list, but the ends, each follow a 2x upsampling (the blocks' are a level
+    down, `layers.N.conv.M`): those are quantized with their phase kernels (`int8.quantize_upsampling_kernel`).
     """
     if "vae" not in params or "layers" not in params["vae"].get("decoder", {}):
         return params
@@ -238,13 +254,11 @@ def quantize_tiny_decoder(params: nnx.State) -> nnx.State:
             and len(value.shape) == 4
         )
 
-    flat = list(nnx.to_flat_state(params))
-    return nnx.from_flat_state(
-        [
-            (path, var.replace(int8.quantize_kernel(var.get_value())) if inner(path, var.get_value()) else var)
-            for path, var in flat
-        ]
-    )
+    def quantize(path: tuple, value: Any) -> int8.QuantizedKernel:
+        upsampling = len(path) == 5  # vae, decoder, layers, N, kernel
+        return (int8.quantize_upsampling_kernel if upsampling else int8.quantize_kernel)(value)
+
+    return _replace(params, inner, quantize)
 
 
 def is_quantized(params: Any) -> bool:

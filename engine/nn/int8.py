@@ -26,6 +26,7 @@ convolution over its tokens) wherever its kernels are registered, at every shape
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ class QuantizedKernel:
     values: Any  # int8, the kernel's shape, within [-63, 63]
     scale: Any  # f32 [out]
     sums: Any  # int32 [out]
+    # an upsampling 3x3 convolution's four phase kernels (`quantize_upsampling_kernel`), (py, px) in row order
+    phases: tuple[QuantizedKernel, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,9 +61,11 @@ class QuantizedKernel:
 
 
 def kernel_values(params: Any) -> list:
-    """The int8 values of every `QuantizedKernel` in a param tree: what `onednn.pin(int8_values=)` keeps reordered."""
+    """The int8 values of every `QuantizedKernel` in a param tree, its phase kernels' too: what
+    `onednn.pin(int8_values=)` keeps reordered."""
     quantized = lambda leaf: isinstance(leaf, QuantizedKernel)  # noqa: E731
-    return [leaf.values for leaf in jax.tree.leaves(params, is_leaf=quantized) if quantized(leaf)]
+    kernels = [leaf for leaf in jax.tree.leaves(params, is_leaf=quantized) if quantized(leaf)]
+    return [k.values for kernel in kernels for k in (kernel, *(kernel.phases or ()))]
 
 
 def quantize_kernel(kernel: Any) -> QuantizedKernel:
@@ -81,6 +86,32 @@ def quantize_kernel(kernel: Any) -> QuantizedKernel:
     np.clip(np.rint(steps, out=steps), -WEIGHT_LEVELS, WEIGHT_LEVELS, out=steps)
     values = steps.astype(np.int8)
     return QuantizedKernel(values.reshape(w.shape), scale, values.sum(axis=0, dtype=np.int32))
+
+
+def phase_kernels(kernel: np.ndarray) -> list[np.ndarray]:
+    """A 3x3 HWIO kernel -> the four 2x2 kernels that its convolution (padding 1) over a nearest 2x upsampled x is
+    over x itself, one per output phase (py, px) in row order. Output row 2i + py reads upsampled rows 2i + py - 1
+    .. 2i + py + 1, which are x's rows i - 1, i, i (py 0: taps 1 and 2 fall on one row, summed) or i, i, i + 1
+    (py 1: taps 0 and 1 summed); columns likewise."""
+    rows = ((kernel[0], kernel[1] + kernel[2]), (kernel[0] + kernel[1], kernel[2]))
+    out = []
+    for top, bottom in rows:
+        r = np.stack([top, bottom])  # [2, 3, in, out]
+        for left, right in ((r[:, 0], r[:, 1] + r[:, 2]), (r[:, 0] + r[:, 1], r[:, 2])):
+            out.append(np.stack([left, right], axis=1))
+    return out
+
+
+def quantize_upsampling_kernel(kernel: Any) -> QuantizedKernel:
+    """`quantize_kernel` of a 3x3 convolution that follows a nearest 2x upsampling, with its four phase kernels
+    (`phase_kernels` of the float kernel, each quantized per output channel as a kernel of its own), which
+    `upsample_conv` computes with; the kernel itself stays for any other size (a UNet's upsampling to an odd skip)."""
+    whole = quantize_kernel(kernel)
+    if isinstance(kernel, jax.ShapeDtypeStruct):
+        phase = jax.ShapeDtypeStruct((2, 2, *kernel.shape[2:]), kernel.dtype)
+        return dataclasses.replace(whole, phases=tuple(quantize_kernel(phase) for _ in range(4)))
+    phases = phase_kernels(np.asarray(kernel, np.float32))
+    return dataclasses.replace(whole, phases=tuple(quantize_kernel(p) for p in phases))
 
 
 def quantize_activations(x: jax.Array, per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -129,6 +160,24 @@ def conv(
     q = lax.pad(q, zero.astype(jnp.uint8), ((0, 0, 0), *((lo, hi, 0) for lo, hi in padding), (0, 0, 0)))
     acc = int_conv(q, kernel.values, kernel.sums, strides)
     return _dequantize(acc, step, zero, kernel, bias, x.dtype)
+
+
+def upsample_conv(x: jax.Array, kernel: QuantizedKernel, bias: jax.Array | None) -> jax.Array:
+    """Nearest 2x upsampling of NHWC x [b, h, w, in], then a 3x3 convolution with padding 1 (a kernel with `phases`)
+    -> [b, 2h, 2w, out] in x's dtype, as four 2x2 int8 convolutions over x itself, one per output phase: 16/36 of
+    the products, and the upsampled x is never quantized or written. x's quantization is the upsampled x's (the same
+    values). Measured on a Zen 3 core pair (AVX2, oneDNN): SD-Turbo's 32x32 640 -> 64x64 640 107 -> 42 ms, TAESD's
+    256 -> 512 at 64 channels 159 -> 117 ms."""
+    b, h, w, _ = x.shape
+    q, step, zero = quantize_activations(x)
+    q = lax.pad(q, zero.astype(jnp.uint8), ((0, 0, 0), (1, 1, 0), (1, 1, 0), (0, 0, 0)))
+    phases = []
+    for index, phase in enumerate(kernel.phases):
+        py, px = divmod(index, 2)
+        acc = int_conv(q[:, py : py + h + 1, px : px + w + 1], phase.values, phase.sums, (1, 1))
+        phases.append(_dequantize(acc, step, zero, phase, bias, x.dtype))
+    y = jnp.stack(phases, axis=3).reshape(b, h, w, 2, 2, -1)  # [b, h, w, py, px, out]
+    return y.transpose(0, 1, 3, 2, 4, 5).reshape(b, 2 * h, 2 * w, -1)
 
 
 def matmul(x: jax.Array, kernel: QuantizedKernel, bias: jax.Array | None) -> jax.Array:

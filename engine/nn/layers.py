@@ -112,7 +112,8 @@ class Conv(nnx.Conv):
     def upsampled(self, x: jax.Array) -> jax.Array:
         """Nearest-neighbour 2x upsampling of x, then this convolution. A 3x3 one with padding 1 on the bf16 CPU path
         runs as four 2x2 convolutions over x itself (`onednn.upsample_conv`: 16/36 of the products, no upsampled x
-        written; SD-Turbo's UNet step -35 ms); any other upsamples first."""
+        written; SD-Turbo's UNet step -35 ms), and so does an int8 one quantized with its phase kernels
+        (`int8.upsample_conv`, `--quantize w8a8`); any other upsamples first."""
         kernel = self.kernel.get_value()
         plain = (
             self._plain()
@@ -120,9 +121,11 @@ class Conv(nnx.Conv):
             and self.strides in (None, 1, (1, 1))
             and tuple(map(tuple, self.padding)) == ((1, 1), (1, 1))
         )
-        bf16 = getattr(kernel, "dtype", None) == jnp.bfloat16  # an int8 kernel upsamples first
-        if plain and bf16 and onednn.serves(kernel.dtype):  # phase kernels in bf16 only
-            bias = self.bias[...] if self.bias is not None else None
+        bias = self.bias[...] if self.bias is not None else None
+        if plain and isinstance(kernel, int8.QuantizedKernel) and kernel.phases is not None:
+            return int8.upsample_conv(x, kernel, bias)  # its phase kernels, quantized at load
+        bf16 = getattr(kernel, "dtype", None) == jnp.bfloat16
+        if plain and bf16 and onednn.serves(kernel.dtype):  # phase kernels in bf16
             return onednn.upsample_conv(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
         return self(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
