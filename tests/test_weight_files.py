@@ -112,3 +112,24 @@ def test_converted_params_are_aligned_read_only_copies_of_the_file(dtype, tmp_pa
         assert a.dtype == np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype), path
         assert a.ctypes.data % ALIGNMENT == 0 and not a.flags.writeable and a.flags.c_contiguous, path
         np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "make_view",
+    [
+        lambda a: a.reshape(200, 300).T,  # a linear kernel: [out, in] -> [in, out]
+        lambda a: a[:54000].reshape(150, 40, 3, 3).transpose(2, 3, 1, 0),  # a convolution's: OIHW -> HWIO
+        lambda a: a.reshape(60000)[::-1].reshape(300, 200),  # negative strides
+        lambda a: a.reshape(300, 200),  # already in order
+    ],
+    ids=["linear", "convolution", "reversed", "contiguous"],
+)
+def test_a_kernel_is_copied_into_our_layout_exactly_whatever_its_strides(make_view, dtype):
+    # Transposed views are copied in strips (STRIP columns at a time); widths that are no multiple of it included.
+    from engine.loading.weights import aligned_copy
+
+    view = make_view(np.random.default_rng(0).standard_normal(60000).astype(np.float32))
+    copy = aligned_copy(view, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+    np.testing.assert_array_equal(copy, np.ascontiguousarray(view).astype(copy.dtype))
+    assert copy.ctypes.data % ALIGNMENT == 0 and not copy.flags.writeable and copy.flags.c_contiguous

@@ -72,6 +72,7 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 ALIGNMENT = 64  # bytes: XLA's CPU backend takes a host array in place when it is aligned this far
+STRIP = 64  # columns: a transposed view is copied in strips this wide (`aligned_copy`)
 LOAD_THREADS = min(8, usable_cpus())  # the CPUs this process may use (its cgroup's quota, its affinity)
 
 
@@ -160,7 +161,15 @@ def aligned_copy(array: np.ndarray, dtype) -> np.ndarray:
     raw = np.empty(array.size * dtype.itemsize + ALIGNMENT, np.uint8)
     skip = -raw.ctypes.data % ALIGNMENT
     out = raw[skip : skip + array.size * dtype.itemsize].view(dtype).reshape(array.shape)
-    np.copyto(out, array, casting="unsafe")
+    if array.ndim < 2 or array.strides[-1] == array.itemsize or array.size < STRIP * STRIP:
+        np.copyto(out, array, casting="unsafe")
+    else:
+        # A transposed view (a kernel in our layout, read from the checkpoint's): copied whole, each element of
+        # `out`'s rows comes from a row of its own in the source, a page apart, and every cache line and page of
+        # the source is fetched again for each row. In strips of STRIP columns, the lines a strip reads are
+        # used up while they are cached: on a Zen 3 core SD 2.1's UNet kernels took 3.1-3.9 s instead of 5-7 s.
+        for start in range(0, array.shape[-1], STRIP):
+            np.copyto(out[..., start : start + STRIP], array[..., start : start + STRIP], casting="unsafe")
     out.flags.writeable = False
     return out
 
