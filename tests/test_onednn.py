@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -545,8 +547,8 @@ def test_a_failed_build_is_remembered_with_its_reason_and_not_retried(monkeypatc
         onednn.build()
     (marker,) = (tmp_path / "kernels").glob("*.failed")
     assert "no such thing" in marker.read_text()
-    sources = len(kernel_build.SOURCES)
-    assert _starts(tmp_path) == sources  # each source compiled on its own; no link after a failure
+    sources = len(kernel_build.units(cpus.usable_cpus()))
+    assert _starts(tmp_path) == sources  # each translation unit compiled; no link after a failure
     with pytest.raises(RuntimeError, match="no such thing.*an earlier start"):
         onednn.build()
     assert _starts(tmp_path) == sources  # not run again
@@ -554,6 +556,27 @@ def test_a_failed_build_is_remembered_with_its_reason_and_not_retried(monkeypatc
     with pytest.raises(RuntimeError, match="no such thing"):
         onednn.build()
     assert _starts(tmp_path) == 2 * sources
+
+
+@pytest.mark.parametrize("most", [1, 2, 3, 4, 16])
+def test_the_sources_compile_in_one_translation_unit_per_cpu_each_source_once(most):
+    groups = kernel_build.units(most)
+    assert len(groups) == min(most, len(kernel_build.SOURCES))
+    assert sorted(source for group in groups for source in group) == sorted(kernel_build.SOURCES)
+
+
+def test_all_the_sources_compile_as_one_translation_unit(tmp_path):
+    # A process with one CPU builds them so: no two sources may define the same name (checked, not compiled).
+    found = kernel_build.find_onednn()
+    if found is None or not (os.environ.get("CXX") or shutil.which("g++")):
+        pytest.skip("no oneDNN headers or no C++ compiler here")
+    (unit,) = kernel_build.units(1)
+    source = tmp_path / "unit.cc"
+    source.write_text("".join(f'#include "{member}"\n' for member in unit))
+    system = [f"-isystem{jax.ffi.include_dir()}", f"-isystem{found[0]}"]
+    command = [os.environ.get("CXX") or "g++", "-fsyntax-only", "-fopenmp", "-std=c++17", "-Wall", "-Werror"]
+    done = subprocess.run([*command, *system, str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_build_past_its_timeout_is_stopped_and_remembered(monkeypatch, tmp_path):

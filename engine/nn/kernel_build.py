@@ -4,10 +4,10 @@ The handlers (`onednn.cc`: matmul, convolutions, pinning; `attention.cc`; `cpu_l
 `int8.cc`: int8 convolutions, for int8.py; `onednn.h`: what they share) are compiled once per source, jaxlib, oneDNN
 and compiler with the host's C++ compiler (`-Wall -Werror`) into JAX_SD_KERNEL_DIR (default
 ~/.cache/jax-sd/kernels), against oneDNN 3.x from pip (requirements.txt: the `onednn-cpu-gomp` wheels, in this
-Python's prefix) or 2.6 from Debian (`libdnnl-dev`); DNNL_ROOT names another install (`_onednn_roots`). Each source
-compiles to an object of its own, as many at once as the process has CPUs (`cpus.usable_cpus`), then one link: on
-a Zen 3 core pair the four took 20 s one after the other, about half of a Space's cold start before its model
-loaded. A build past JAX_SD_KERNEL_BUILD_TIMEOUT (all of it, compiles and link) is stopped, and a failed one is
+Python's prefix) or 2.6 from Debian (`libdnnl-dev`); DNNL_ROOT names another install (`_onednn_roots`). The sources
+compile as one translation unit per CPU the process has (`cpus.usable_cpus`; `units`), all at once, then one link:
+each unit reads oneDNN's and XLA's headers once, which took about 2 s of each source's 5-7 s on a Zen 3 core, so on
+a core pair two units of two sources built in 8.5 s where four of one took 12 s (a Space's cold start waits for it). A build past JAX_SD_KERNEL_BUILD_TIMEOUT (all of it, compiles and link) is stopped, and a failed one is
 remembered beside the library, not retried at every start.
 
 May import: `engine.cpus`.
@@ -121,6 +121,17 @@ def _compile(command: list[str], compiler: str, deadline: float, timeout: float)
     return None if proc.returncode == 0 else f"building the oneDNN kernels failed: {stderr.strip()[-2000:]}"
 
 
+def units(most: int) -> list[tuple[Path, ...]]:
+    """The sources grouped into `most` translation units at most (each source its own where there are enough
+    CPUs), of about equal size, largest source first: once the headers are read, a unit's compile time grows with
+    its code."""
+    sizes = {source: len(_read(source)) for source in SOURCES}
+    groups: list[list[Path]] = [[] for _ in range(max(1, min(len(SOURCES), most)))]
+    for source in sorted(SOURCES, key=sizes.__getitem__, reverse=True):
+        min(groups, key=lambda group: sum(map(sizes.__getitem__, group))).append(source)
+    return [tuple(group) for group in groups]
+
+
 def _compile_all(commands: list[list[str]], compiler: str, deadline: float, timeout: float) -> str | None:
     """`_compile` for each command, as many at once as this process has CPUs; None when all succeeded, else the
     first one's reason (in the commands' order)."""
@@ -180,12 +191,16 @@ def build() -> Path:
         # DT_RPATH, not RUNPATH: the loader then looks for libdnnl's own dependencies in its folder too, where a
         # wheel that brings them (Intel's `onednn`: TBB, the SYCL runtime) puts them beside it.
         flags = [compiler, "-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17", "-Wall", "-Werror", *system]
-        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        groups = units(cpus.usable_cpus())
+        objects = [Path(scratch) / f"unit{k}.o" for k in range(len(groups))]
+        sources = [Path(scratch) / f"unit{k}.cc" for k in range(len(groups))]
+        for source, group in zip(sources, groups, strict=True):  # a source's own includes stay beside it
+            source.write_text("".join(f'#include "{member}"\n' for member in group))
         link = [
             compiler, "-fopenmp", "-shared", *map(str, objects), "-o", str(partial), f"-L{lib}",
             "-Wl,--disable-new-dtags", f"-Wl,-rpath,{lib}", "-ldnnl",
         ]  # fmt: skip
-        compiles = [[*flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)]
+        compiles = [[*flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(sources, objects, strict=True)]
         deadline = time.monotonic() + timeout
         reason = _compile_all(compiles, compiler, deadline, timeout) or _compile(link, compiler, deadline, timeout)
         if reason is not None:
