@@ -363,7 +363,7 @@ def test_f32_params_pin_nothing(kernels):
 
 
 def test_without_the_kernels_a_bf16_layer_runs_in_xla(monkeypatch):
-    monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(onednn, "handlers", lambda: None)  # as where they cannot be built, whatever the CPU
     linear = _bf16_layer(layers.linear(8, 8, nnx.Rngs(0)))
     x = jnp.ones((2, 8))
     assert "onednn" not in jax.jit(lambda x: linear(x)).lower(x).as_text()
@@ -462,18 +462,25 @@ def test_f32_attention_in_onednn_equals_the_plain_formulation_to_f32_rounding(b,
 
 def test_f32_attention_whose_far_keys_underflow_equals_the_plain_formulation():
     """Logits spread over hundreds: most keys' weights fall to 2^-126 or below, and their products with v underflow
-    (flushed to zero, as XLA's own threads compute), which changes nothing the plain formulation keeps."""
+    (flushed to zero, as XLA's own threads compute), which changes nothing the plain formulation keeps. Logits of
+    about 200 carry f32 rounding of about 2e-5 each, which the weights carry over: so both are held to the exact
+    result (float64), ours no further from it than twice XLA's own f32 formulation (measured on a Xeon with AVX-512:
+    1.6x, capped to AVX2 1.6x, to SSE4.1 1.8x)."""
     _built_or_skip()
     from engine.nn import attention as attn
 
     r = np.random.RandomState(3)
-    q, k, v = (jnp.asarray(r.randn(1, 300, 2, 64).astype(np.float32) * g) for g in (40, 1, 1))
-    got = jax.jit(onednn.attention)(q, k, v)
-    want = attn.softmax_attention(q, k, v)
-    logits = jnp.einsum("bnhd,bmhd->bhnm", q, k) / 8
+    q, k, v = (r.randn(1, 300, 2, 64).astype(np.float32) * g for g in (40, 1, 1))
+    got = np.asarray(jax.jit(onednn.attention)(q, k, v))
+    want = np.asarray(attn.softmax_attention(q, k, v))
+    logits = np.einsum("bnhd,bmhd->bhnm", q.astype(np.float64), k.astype(np.float64)) / 8
     below = logits.max(axis=-1, keepdims=True) - logits > 88  # exp(-88) < 2^-126, the smallest normal float
     assert float(below.mean()) > 0.5
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    exact = np.einsum("bhnm,bmhd->bnhd", weights / weights.sum(axis=-1, keepdims=True), v.astype(np.float64))
+    xla_error = np.abs(want - exact).max()
+    assert xla_error < 1e-4
+    assert np.abs(got - exact).max() <= 2 * xla_error
 
 
 def test_an_f32_1x1_convolution_runs_in_onednn_where_the_kernels_are_loaded_and_a_3x3_one_in_xla(monkeypatch):
