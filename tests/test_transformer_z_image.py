@@ -170,8 +170,13 @@ def test_the_frequencies_are_torchs_but_for_its_rounding():
     theirs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32) / half).numpy()
     ours = time_frequencies()
     apart = np.nonzero(ours != theirs)[0]
-    assert len(apart) <= 2  # [12, 106] on this CPU
+    # torch's vector exp is an ulp off in a few, which depend on its kernels: [12, 106] on Zen 3 (AVX2), [13, 44,
+    # 119] on an AVX-512 Xeon; XLA's float32 exp was off in 17
+    assert len(apart) <= 4
     np.testing.assert_array_equal(np.nextafter(ours[apart], theirs[apart]), theirs[apart])  # one ulp
+    exponent = np.float32(-math.log(10000)) * np.arange(half, dtype=np.float32) / np.float32(half)
+    exact = np.exp(exponent.astype(np.float64))
+    assert np.all(np.abs(ours[apart] - exact[apart]) < np.abs(theirs[apart] - exact[apart]))  # ours the nearer
 
 
 def test_caption_lengths_are_data_not_programs(tiny):
