@@ -3,7 +3,7 @@
 XLA's CPU backend runs bf16 dots and convolutions no faster than f32 (Zen 4/5, 2 cores: a 4096x1280x1280
 matmul 324 GFLOP/s in bf16 against 448 in f32); oneDNN runs them on the CPU's native bf16 instructions
 (AVX512-BF16, AMX) at 942, and a 64x64 320->320 3x3 convolution at 1042 against XLA's 405 (f32). Where a
-layer's kernel is bf16 on the CPU and `available()`, `layers.Linear` and `layers.Conv` call `matmul` and
+layer's kernel is bf16 on the CPU and oneDNN `serves` it, `layers.Linear` and `layers.Conv` call `matmul` and
 `conv` here: the kernel stays bf16, the activations are cast to bf16 on the way in and come out in the dtype
 the layer would give (f32 from an f32 input), with f32 accumulation and an f32 bias, as oneDNN computes.
 bf16 attention on the CPU is `attention` here (nn/attention.py's "onednn" kind). Two elementwise calls of our own
