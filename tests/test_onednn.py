@@ -430,6 +430,22 @@ def test_bf16_attention_on_the_cpu_runs_in_one_onednn_call(kernels, b, n, m, h, 
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
+def test_bf16_attention_whose_logits_grow_from_chunk_to_chunk_equals_the_plain_formulation(kernels):
+    """On AMX the keys are taken 512 at a time with the softmax online: each chunk's weights against the row's
+    maximum so far, the earlier chunks' sums rescaled when it grows. Keys that grow along the sequence make every
+    chunk's maximum larger than the last, so a rescaling missed or misapplied is off by far more than bf16's
+    resolution; 1,100 keys end in a short chunk and 300 queries in a short block (one chunk elsewhere)."""
+    from engine.nn import attention as attn
+
+    r = np.random.RandomState(4)
+    q, k, v = (r.randn(1, t, 2, 64).astype(np.float32) for t in (300, 1100, 1100))
+    k *= np.linspace(0.5, 3.0, 1100, dtype=np.float32)[None, :, None, None]
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+    got = np.asarray(jax.jit(onednn.attention)(q, k, v), np.float32)
+    want = attn.softmax_attention(exact(q), exact(k), exact(v))
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_an_image_with_a_nan_gets_nan_out_and_the_others_their_attention(kernels):
     r = np.random.RandomState(1)
     q, k, v = (jnp.asarray(r.randn(2, 70, 2, 16).astype(np.float32), jnp.bfloat16) for _ in range(3))

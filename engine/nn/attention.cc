@@ -27,7 +27,8 @@ using namespace jax_sd;
 // softmax(q k^T * scale) v over q [B, N, H, D], k and v [B, M, H, D] (all bf16, or all f32), out [B, N, H, D].
 // Each (image, head)'s k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not
 // once per block of queries); then for each (image, head, block of queries) on a thread of its own: the block's
-// queries copied into contiguous rows, the logits [rows, M] (single-threaded inside the parallel loop),
+// queries copied into contiguous rows, the logits [rows, M] (or a chunk of keys at a time, below; single-threaded
+// inside the parallel loop),
 // the softmax over them while they are in the cache, the weights as bf16 (or in f32, over the logits themselves) into
 // the second product, then each row divided by its sum. Nothing the size of all the logits is ever written. In f32
 // (CPUs without native bf16) this replaces XLA's query blocks, which copy k and v into their layout again for every
@@ -36,6 +37,15 @@ using namespace jax_sd;
 // took SD 2.1's 4096-token attention (5 heads of 64) from about 220 to 160 ms on a quiet Zen 3 core pair, and
 // flushing denormals (FlushDenormals) keeps wide logits from costing 40% more (bench/kernels_f32.py's attention).
 constexpr int64_t kAttentionRows = 256;
+// On AMX, where oneDNN would run a row's logits on its AVX-512 kernels, the keys are taken kAttentionKeys at a time,
+// the softmax online (flash attention's way). oneDNN 3.2 runs the logits of 256 queries against 512 or 4096 keys on
+// AMX but against 1024 or 2048 on AVX-512, 2x slower, and for 64 or 128 queries never on AMX, so the chunks are cut
+// along the keys. Measured on a 2-core AVX-512 Xeon with AMX: SD 2.1's 1024-token self-attention (10 heads of 64)
+// alone 8.6 -> 3.9 ms (best of 20), the 32x32 level's attention inside an SD-Turbo step 66-67 -> 50-51 ms (two
+// profiles each). Its 4096-token one, already on AMX, chunked too went 30.3 -> 28.8 ms alone but 205 -> 249 ms
+// inside a step, so a row oneDNN runs on AMX whole stays whole. Without AMX (capped to AVX512-BF16 on the same
+// Xeon) chunks were 3-7% slower, so there no row is chunked.
+constexpr int64_t kAttentionKeys = 512;
 
 struct AttentionPrims {
   dnnl::matmul::primitive_desc logits_pd, out_pd;
@@ -59,7 +69,12 @@ AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t d, memory::data_t
   });
 }
 
-thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, keys_buffer;
+// Whether a block's logits run on oneDNN's AMX kernels.
+bool on_amx(const AttentionPrims* prims) {
+  return std::string(prims->logits_pd.impl_info_str()).find("amx") != std::string::npos;
+}
+
+thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, total_buffer, keys_buffer;
 
 // Whether a bf16 (or f32) array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted
 // to carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
@@ -95,20 +110,36 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   auto* vp = static_cast<const char*>(v.untyped_data());
   void* op = out->untyped_data();
   std::string error;
-  AttentionPrims *full, *tail;
+  // The products' shapes: blocks of up to kAttentionRows queries (the last may be shorter) against chunks of
+  // `chunk` keys (the last may be shorter): `prims[last block][last chunk]`, every one reading k and v in the
+  // layouts oneDNN picks for a full block of its chunk's length.
+  const int64_t block_rows = std::min(n, kAttentionRows);
+  int64_t chunk = m, chunks = 1;
+  AttentionPrims* prims[2][2];
   try {
-    full = attention_for(std::min(n, kAttentionRows), m, d, dt, nullptr, nullptr);
-    const memory::desc k_layout = full->logits_pd.weights_desc(), v_layout = full->out_pd.weights_desc();
-    tail = n % kAttentionRows ? attention_for(n % kAttentionRows, m, d, dt, &k_layout, &v_layout) : full;
+    if (amx_allowed() && !f32 && m > kAttentionKeys && !on_amx(attention_for(block_rows, m, d, dt, nullptr, nullptr)))
+      chunk = kAttentionKeys;
+    chunks = (m + chunk - 1) / chunk;
+    for (int last = 0; last < 2; ++last) {
+      const int64_t keys = last ? m - (chunks - 1) * chunk : chunk;
+      AttentionPrims* full = attention_for(block_rows, keys, d, dt, nullptr, nullptr);
+      const memory::desc k_layout = full->logits_pd.weights_desc(), v_layout = full->out_pd.weights_desc();
+      prims[0][last] = full;
+      prims[1][last] = n % kAttentionRows ? attention_for(n % kAttentionRows, keys, d, dt, &k_layout, &v_layout) : full;
+    }
   } catch (const dnnl::error& e) {
     return failed(e.what());
   }
-  // Each (image, head)'s k^T and v, reordered from their strided place in k and v; in f32 with AVX2, k in our own
-  // panels for logits_f32 instead of oneDNN's layout.
+  // Each (image, head)'s k^T and v, chunk by chunk, reordered from their strided place in k and v; in f32 with AVX2,
+  // k in our own panels for logits_f32 instead of oneDNN's layout.
   const bool own_logits = f32 && f32_loops_avx2();
-  const size_t k_size = own_logits ? key_panels_size(m, d) * 4 : full->logits_pd.weights_desc().get_size(),
-               v_size = full->out_pd.weights_desc().get_size();
-  char* packed_kv = static_cast<char*>(keys_buffer.at_least((k_size + v_size) * b * h));
+  size_t k_size[2], v_size[2];  // bytes of a chunk's packed k and v: [last chunk]
+  for (int last = 0; last < 2; ++last) {
+    k_size[last] = own_logits ? key_panels_size(m, d) * 4 : prims[0][last]->logits_pd.weights_desc().get_size();
+    v_size[last] = prims[0][last]->out_pd.weights_desc().get_size();
+  }
+  const size_t chunk_size = k_size[0] + v_size[0], pair_size = (chunks - 1) * chunk_size + k_size[1] + v_size[1];
+  char* packed_kv = static_cast<char*>(keys_buffer.at_least(pair_size * b * h));
   std::vector<char> broken(b);
 #pragma omp parallel for
   for (int64_t image = 0; image < b; ++image)
@@ -117,20 +148,25 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
                     non_finite(vp + image * m * h * d * size, m * h * d, f32);
 #pragma omp parallel for
   for (int64_t pair = 0; pair < b * h; ++pair) {
-    const int64_t kv_at = ((pair / h) * m * h + pair % h) * d * size;  // bytes
     try {
       dnnl::stream stream(cpu());
-      char* packed = packed_kv + pair * (k_size + v_size);
-      memory v_given(memory::desc({m, d}, dt, memory::dims{h * d, 1}), cpu(), const_cast<char*>(vp + kv_at)),
-          v_packed(full->out_pd.weights_desc(), cpu(), packed + k_size);
-      if (own_logits) {
-        pack_key_panels(reinterpret_cast<const float*>(kp + kv_at), h * d, m, d, reinterpret_cast<float*>(packed));
-      } else {
-        memory k_given(memory::desc({d, m}, dt, memory::dims{1, h * d}), cpu(), const_cast<char*>(kp + kv_at)),
-            k_packed(full->logits_pd.weights_desc(), cpu(), packed);
-        dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int last = c == chunks - 1;
+        const int64_t keys = last ? m - c * chunk : chunk;
+        const int64_t kv_at = (((pair / h) * m + c * chunk) * h + pair % h) * d * size;  // bytes
+        const AttentionPrims* p = prims[0][last];
+        char* packed = packed_kv + pair * pair_size + c * chunk_size;
+        memory v_given(memory::desc({keys, d}, dt, memory::dims{h * d, 1}), cpu(), const_cast<char*>(vp + kv_at)),
+            v_packed(p->out_pd.weights_desc(), cpu(), packed + k_size[last]);
+        if (own_logits) {
+          pack_key_panels(reinterpret_cast<const float*>(kp + kv_at), h * d, m, d, reinterpret_cast<float*>(packed));
+        } else {
+          memory k_given(memory::desc({d, keys}, dt, memory::dims{1, h * d}), cpu(), const_cast<char*>(kp + kv_at)),
+              k_packed(p->logits_pd.weights_desc(), cpu(), packed);
+          dnnl::reorder(k_given, k_packed).execute(stream, k_given, k_packed);
+        }
+        dnnl::reorder(v_given, v_packed).execute(stream, v_given, v_packed);
       }
-      dnnl::reorder(v_given, v_packed).execute(stream, v_given, v_packed);
       stream.wait();
     } catch (const dnnl::error& e) {
 #pragma omp critical
@@ -151,37 +187,48 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         }
       continue;
     }
-    AttentionPrims* prims = rows == std::min(n, kAttentionRows) ? full : tail;
     FlushDenormals flushed;
     try {
       dnnl::stream stream(cpu());
       char* queries = static_cast<char*>(queries_buffer.at_least(rows * d * size));
-      float* logits = static_cast<float*>(logits_buffer.at_least(rows * m * 4));
-      void* weights = f32 ? static_cast<void*>(logits) : weights_buffer.at_least(rows * m * 2);
+      float* logits = static_cast<float*>(logits_buffer.at_least(rows * chunk * 4));
+      void* weights = f32 ? static_cast<void*>(logits) : weights_buffer.at_least(rows * chunk * 2);
       float* result = static_cast<float*>(out_buffer.at_least(rows * d * 4));
+      float* total = chunks == 1 ? result : static_cast<float*>(total_buffer.at_least(rows * d * 4));
       const int64_t q_at = ((image * n + row0) * h + head) * d;
       for (int64_t r = 0; r < rows; ++r) std::memcpy(queries + r * d * size, qp + (q_at + r * h * d) * size, d * size);
-      char* kv = packed_kv + (image * h + head) * (k_size + v_size);
-      if (own_logits) {
-        logits_f32(reinterpret_cast<const float*>(queries), rows, d, reinterpret_cast<const float*>(kv), m, logits);
-      } else {
-        memory qm(prims->logits_pd.src_desc(), cpu(), queries), km(prims->logits_pd.weights_desc(), cpu(), kv),
-            lm(prims->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(prims->logits_pd.scratchpad_desc());
-        prims->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
-                                       {DNNL_ARG_SCRATCHPAD, s1}});
+      std::vector<float> tops(rows, -std::numeric_limits<float>::infinity()), sums(rows, 0.f), rescale(rows);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int last = c == chunks - 1;
+        const int64_t keys = last ? m - c * chunk : chunk;
+        const AttentionPrims* p = prims[rows != block_rows][last];
+        char* kv = packed_kv + (image * h + head) * pair_size + c * chunk_size;
+        if (own_logits) {
+          logits_f32(reinterpret_cast<const float*>(queries), rows, d, reinterpret_cast<const float*>(kv), m, logits);
+        } else {
+          memory qm(p->logits_pd.src_desc(), cpu(), queries), km(p->logits_pd.weights_desc(), cpu(), kv),
+              lm(p->logits_pd.dst_desc(), cpu(), logits), s1 = scratchpad(p->logits_pd.scratchpad_desc());
+          p->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
+                                     {DNNL_ARG_SCRATCHPAD, s1}});
+        }
+        if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);  // one chunk: all of m
+        else
+          softmax_rows(logits, static_cast<uint16_t*>(weights), tops.data(), sums.data(), rescale.data(), rows, keys,
+                       scale);
+        memory wm(p->out_pd.src_desc(), cpu(), weights), vm(p->out_pd.weights_desc(), cpu(), kv + k_size[last]),
+            om(p->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(p->out_pd.scratchpad_desc());
+        p->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
+                                {DNNL_ARG_SCRATCHPAD, s2}});
+        if (chunks > 1 && c == 0) std::memcpy(total, result, rows * d * 4);
+        else if (chunks > 1)  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < d; ++i) total[r * d + i] = total[r * d + i] * rescale[r] + result[r * d + i];
       }
-      std::vector<float> sums(rows);
-      if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
-      else softmax_rows(logits, static_cast<uint16_t*>(weights), sums.data(), rows, m, scale);
-      memory wm(prims->out_pd.src_desc(), cpu(), weights), vm(prims->out_pd.weights_desc(), cpu(), kv + k_size),
-          om(prims->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(prims->out_pd.scratchpad_desc());
-      prims->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
-                                  {DNNL_ARG_SCRATCHPAD, s2}});
       for (int64_t r = 0; r < rows; ++r) {
         const float inverse = 1.f / sums[r];
         const int64_t at = q_at + r * h * d;
         for (int64_t c = 0; c < d; ++c) {
-          float value = result[r * d + c] * inverse;
+          float value = total[r * d + c] * inverse;
           if (bf16_out) static_cast<uint16_t*>(op)[at + c] = to_bf16(value);
           else static_cast<float*>(op)[at + c] = value;
         }

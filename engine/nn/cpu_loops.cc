@@ -23,19 +23,24 @@ namespace ffi = xla::ffi;
 
 namespace jax_sd {
 
-// Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
-void softmax_rows_plain(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
+// One chunk of keys of each row of logits [rows, m] -> bf16 weights exp((x - top) * scale), against each row's
+// maximum so far (`tops`, -inf before the first chunk, updated); `rescale[r]` says what the row's earlier weights and
+// their sum must be multiplied by, the maximum having grown (0 at the first chunk), and `sums` takes the chunk's.
+void softmax_rows_plain(const float* logits, uint16_t* weights, float* tops, float* sums, float* rescale, int64_t rows,
+                        int64_t m, float scale) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits + r * m;
-    float top = row[0];
-    for (int64_t j = 1; j < m; ++j) top = std::max(top, row[j]);
+    float top = tops[r];
+    for (int64_t j = 0; j < m; ++j) top = std::max(top, row[j]);
     float total = 0.f;
     for (int64_t j = 0; j < m; ++j) {
       const float e = std::exp((row[j] - top) * scale);
       total += e;
       weights[r * m + j] = to_bf16(e);
     }
-    sums[r] = total;
+    rescale[r] = std::exp((tops[r] - top) * scale);
+    sums[r] = sums[r] * rescale[r] + total;
+    tops[r] = top;
   }
 }
 
@@ -55,7 +60,8 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp2_of(__m512 x
 // to_bf16). exp(y) = 2^n * 2^f for y * log2(e) = n + f, f in [0, 1): 2^f from a degree-4 polynomial (relative
 // error 3e-6, far below the weights' bf16 rounding), 2^n applied by scalef.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_rows_avx512(
-    const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
+    const float* logits, uint16_t* weights, float* tops, float* sums, float* rescale, int64_t rows, int64_t m,
+    float scale) {
   const float log2e_scale = 1.44269504f * scale;
   const __m512 log2e = _mm512_set1_ps(log2e_scale);
   const __mmask16 last = __mmask16((1u << (m % 16)) - 1);
@@ -63,10 +69,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_row
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits + r * m;
     uint16_t* w = weights + r * m;
-    __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 top16 = _mm512_set1_ps(tops[r]);
     for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
     if (last) top16 = _mm512_mask_max_ps(top16, last, top16, _mm512_maskz_loadu_ps(last, row + whole));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * log2e_scale);
+    const float top = _mm512_reduce_max_ps(top16);
+    const __m512 shift = _mm512_set1_ps(top * log2e_scale);
     __m512 total16 = _mm512_setzero_ps();
     for (int64_t j = 0; j < whole; j += 16) {
       __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
@@ -78,7 +85,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_row
       total16 = _mm512_mask_add_ps(total16, last, total16, e);
       _mm256_mask_storeu_epi16(w + whole, last, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
-    sums[r] = _mm512_reduce_add_ps(total16);
+    rescale[r] = std::exp((tops[r] - top) * scale);
+    sums[r] = sums[r] * rescale[r] + _mm512_reduce_add_ps(total16);
+    tops[r] = top;
   }
 }
 
@@ -151,6 +160,11 @@ bool isa_allowed(dnnl::cpu_isa isa) {
 bool f32_loops_avx2() {
   static const bool avx2 = isa_allowed(dnnl::cpu_isa::avx2);
   return avx2;
+}
+
+bool amx_allowed() {
+  static const bool amx = isa_allowed(dnnl::cpu_isa::avx512_core_amx);
+  return amx;
 }
 
 // The AVX2 loop on AVX-512 CPUs too: f32 attention is the path of CPUs without native bf16, and an AVX-512 one with
@@ -230,11 +244,12 @@ __attribute__((target("avx2,fma"))) void logits_f32(const float* q, int64_t rows
   }
 }
 
-void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale) {
+void softmax_rows(const float* logits, uint16_t* weights, float* tops, float* sums, float* rescale, int64_t rows,
+                  int64_t m, float scale) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  if (avx512) softmax_rows_avx512(logits, weights, sums, rows, m, scale);
-  else softmax_rows_plain(logits, weights, sums, rows, m, scale);
+  if (avx512) softmax_rows_avx512(logits, weights, tops, sums, rescale, rows, m, scale);
+  else softmax_rows_plain(logits, weights, tops, sums, rescale, rows, m, scale);
 }
 
 }  // namespace jax_sd

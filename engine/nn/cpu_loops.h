@@ -30,8 +30,12 @@ inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's and oneDN
   return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// Each row of logits [rows, m] -> unnormalised bf16 weights exp((x - max) * scale), and the rows' sums in f32.
-void softmax_rows(const float* logits, uint16_t* weights, float* sums, int64_t rows, int64_t m, float scale);
+// One chunk of m keys of each row of logits [rows, m] -> unnormalised bf16 weights exp((x - top) * scale), online:
+// `tops` holds each row's maximum over its chunks so far (-inf before the first; updated), `sums` their weights' sum
+// in f32 (0 before the first; rescaled and added to), and `rescale` gets what the row's earlier weights must be
+// multiplied by, its maximum having grown (exp((old - new) * scale); 0 at the first chunk).
+void softmax_rows(const float* logits, uint16_t* weights, float* tops, float* sums, float* rescale, int64_t rows,
+                  int64_t m, float scale);
 
 // The same in f32, in place: each row of logits [rows, m] becomes its unnormalised weights exp((x - max) * scale)
 // (AVX2 where f32_loops_avx2, else plain C++).
@@ -40,6 +44,9 @@ void softmax_rows_f32(float* logits, float* sums, int64_t rows, int64_t m, float
 // Whether the f32 loops run in AVX2 here: the CPU has it and ONEDNN_MAX_CPU_ISA lets oneDNN use it, so that a capped
 // process measures the class it is capped to.
 bool f32_loops_avx2();
+
+// Whether oneDNN may use AMX here (bf16 and int8 tiles): the CPU has it and ONEDNN_MAX_CPU_ISA lets oneDNN use it.
+bool amx_allowed();
 
 // q k^T in f32, only where f32_loops_avx2 (it is AVX2 code; elsewhere attention takes oneDNN's logits): each
 // (image, head)'s keys k [m, d] (rows `stride` floats apart) packed once into panels of kPanelKeys keys, each
