@@ -37,7 +37,8 @@ pass: Klein 512 tokens; Z-Image a caption of `--caption-tokens` real tokens (def
 128, 256, 512 holding it (`Z_IMAGE.lengths`), its length beside it, the rest masked out but computed. The engine runs the text's projection (Z-Image: the
 caption embedder and context refiner) once per request, not per step; it is timed here because diffusers' forward
 runs it at every step. Ours compiles (`lower().compile()`, timed on its own) and runs on one XLA CPU device (not the
-app's core pair: the transformer alone, not the engine's program). diffusers gets the same numbers as its pipelines
+app's core pair: the transformer alone, not the engine's program), its kernels pinned for oneDNN as the Engine pins
+them (`onednn.pin`: bf16 ones where oneDNN serves bf16, the int8 ones of `ours-w8a8`). diffusers gets the same numbers as its pipelines
 pass them (NCHW latents; FLUX: latents packed in 2x2 patches and the position ids, as FluxPipeline makes them;
 Klein: the cells packed into tokens, 4-axis ids for text and latents and t / 1000 as Flux2KleinPipeline makes them,
 the output scattered back by its ids; Z-Image: lists of [C, 1, H, W] latents and of each caption's real tokens, which
@@ -357,11 +358,11 @@ def time_ours(
     del tensors  # the file's mapping: the copies in `params` are what the program reads
     params = jax.device_put(params)
     jax.block_until_ready(params)
-    pinned = None
-    if w8a8:  # the int8 kernels reordered once for oneDNN, as the Engine pins them
-        from engine.nn import int8, onednn
+    from engine.nn import int8, onednn
 
-        pinned = onednn.pin(params, int8_values=int8.kernel_values(params))
+    # the kernels oneDNN serves (bf16 on a CPU with native bf16) and the int8 ones reordered once, as the Engine pins
+    # them; unpinned, every call reordered each kernel again (Klein's 3072 x 27648 projection: 170 MB a call)
+    pinned = onednn.pin(params, int8_values=int8.kernel_values(params))
     load_s = time.perf_counter() - start
 
     @partial(jax.jit, static_argnums=0)
