@@ -38,9 +38,9 @@ pass: Klein 512 tokens; Z-Image a caption of `--caption-tokens` real tokens (def
 caption embedder and context refiner) once per request, not per step; it is timed here because diffusers' forward
 runs it at every step. Ours compiles (`lower().compile()`, timed on its own) and runs on one XLA CPU device (not the
 app's core pair: the transformer alone, not the engine's program), its kernels pinned for oneDNN as the Engine pins
-them (`onednn.pin`: bf16 ones where oneDNN serves bf16, the int8 ones of `ours-w8a8`). diffusers gets the same numbers as its pipelines
-pass them (NCHW latents; FLUX: latents packed in 2x2 patches and the position ids, as FluxPipeline makes them;
-Klein: the cells packed into tokens, 4-axis ids for text and latents and t / 1000 as Flux2KleinPipeline makes them,
+them (`onednn.pin`: bf16 ones where oneDNN serves bf16, the int8 ones of `ours-w8a8`). diffusers gets the same
+numbers as its pipelines pass them (NCHW latents; FLUX: latents packed in 2x2 patches and the position ids, as
+FluxPipeline makes them; Klein: the cells packed into tokens, 4-axis ids for text and latents and t / 1000 as Flux2KleinPipeline makes them,
 the output scattered back by its ids; Z-Image: lists of [C, 1, H, W] latents and of each caption's real tokens, which
 it pads to a multiple of 32 itself, at (1000 - t) / 1000, the stacked output negated as ZImagePipeline's loop does),
 `torch.inference_mode()`, `torch.set_num_threads(os.cpu_count())`.

@@ -28,9 +28,8 @@ using namespace jax_sd;
 // Each (image, head)'s k and v are first reordered into the blocked layouts oneDNN's brgemm kernels read (once, not
 // once per block of queries); then for each (image, head, block of queries) on a thread of its own: the block's
 // queries copied into contiguous rows, the logits [rows, M] (or a chunk of keys at a time, below; single-threaded
-// inside the parallel loop),
-// the softmax over them while they are in the cache, the weights as bf16 (or in f32, over the logits themselves) into
-// the second product, then each row divided by its sum. Nothing the size of all the logits is ever written. In f32
+// inside the parallel loop), the softmax over them while they are in the cache, the weights as bf16 (or in f32, over
+// the logits themselves) into the second product, then each row divided by its sum. Nothing the size of all the logits is ever written. In f32
 // (CPUs without native bf16) this replaces XLA's query blocks, which copy k and v into their layout again for every
 // block and run the softmax in passes of their own: SD 2.1's 4096-token self-attention on a Zen 3 core pair went
 // from XLA's 2.8 s to 1.5 s (cores loaded by other work; nn/attention.py CPU_ONEDNN_F32_KEYS). Our own f32 logits
