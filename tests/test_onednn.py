@@ -358,6 +358,42 @@ def test_a_pinned_kernel_is_reordered_once_and_gives_the_same_numbers(kernels, l
     np.testing.assert_allclose(run(x, other), fresh, rtol=1e-5, atol=1e-5)
 
 
+def _huge_page_mappings() -> dict[int, int]:
+    """This process's mappings advised for transparent huge pages (VmFlags "hg"): start address -> length."""
+    found, start, length = {}, 0, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(end, 16) for end in first.split("-"))
+                start, length = low, high - low
+            elif first == "VmFlags:" and "hg" in line.split()[1:]:
+                found[start] = length
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages here")
+def test_a_kept_kernel_of_a_huge_page_or_more_is_mapped_for_huge_pages(f32_kernels):
+    # A step reads every kept kernel once from memory; in 4 KB pages each page costs a TLB miss. A kernel that spans
+    # a 2 MB page gets a mapping of its own, on a 2 MB boundary, advised for huge pages, and loses it on release.
+    kernel = jax.random.normal(jax.random.key(1), (1024, 1024)) * 0.05  # 4 MB in f32
+    x = jax.random.normal(jax.random.key(0), (77, 1024))
+    run = jax.jit(lambda x, w: onednn.matmul(x, w, None, jnp.float32))
+    want = np.asarray(run(x, kernel))  # reordered at every call, nothing kept
+    before, kept = _huge_page_mappings(), onednn.reordered_bytes()
+    pinned = onednn.pin({"kernel": kernel}, dtypes=(jnp.float32,))
+    try:
+        np.testing.assert_array_equal(run(x, kernel), want)
+        size = onednn.reordered_bytes() - kept
+        assert size >= kernel.nbytes
+        new = {start: length for start, length in _huge_page_mappings().items() if start not in before}
+        assert list(new.values()) == [-(-size // 4096) * 4096]  # the copy's bytes to the page, no more
+        assert all(start % (2 << 20) == 0 for start in new)
+    finally:
+        pinned.release()
+    assert not set(_huge_page_mappings()) & set(new)  # unmapped with the kept copy
+
+
 def test_f32_params_pin_nothing(kernels):
     assert onednn.pin({"kernel": jnp.ones((3, 3, 8, 8)), "dense": jnp.ones((8, 8))}).buffers == []
 
