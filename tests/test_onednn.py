@@ -376,9 +376,9 @@ def _huge_page_mappings() -> dict[int, int]:
 def test_a_kept_kernel_of_a_huge_page_or_more_is_mapped_for_huge_pages(f32_kernels):
     # A step reads every kept kernel once from memory; in 4 KB pages each page costs a TLB miss. A kernel that spans
     # a 2 MB page gets a mapping of its own, on a 2 MB boundary, advised for huge pages, and loses it on release.
-    kernel = jax.random.normal(jax.random.key(1), (1024, 1024)) * 0.05  # 4 MB in f32
-    x = jax.random.normal(jax.random.key(0), (77, 1024))
-    run = jax.jit(lambda x, w: onednn.matmul(x, w, None, jnp.float32))
+    kernel = jax.random.normal(jax.random.key(1), (3, 3, 256, 512)) * 0.05  # 4.7 MB in f32, reordered on any CPU
+    x = jax.random.normal(jax.random.key(0), (1, 8, 8, 256))
+    run = jax.jit(lambda x, w: onednn.conv(x, w, None, (1, 1), ((1, 1), (1, 1)), jnp.float32))
     want = np.asarray(run(x, kernel))  # reordered at every call, nothing kept
     before, kept = _huge_page_mappings(), onednn.reordered_bytes()
     pinned = onednn.pin({"kernel": kernel}, dtypes=(jnp.float32,))
@@ -480,6 +480,30 @@ def test_bf16_attention_whose_logits_grow_from_chunk_to_chunk_equals_the_plain_f
     got = np.asarray(jax.jit(onednn.attention)(q, k, v), np.float32)
     want = attn.softmax_attention(exact(q), exact(k), exact(v))
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def _exact_attention(q, k, v) -> np.ndarray:
+    """softmax(q k^T / sqrt(d)) v in float64, of q, k and v as given: [B, N, H, D] each."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    logits = np.einsum("bnhd,bmhd->bhnm", q, k) / np.sqrt(q.shape[-1])
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bhnm,bmhd->bnhd", weights / weights.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("d", [40, 64, 128, 160])
+def test_bf16_attention_is_within_bf16_rounding_of_the_exact_one_at_every_head_width(kernels, d):
+    """On AMX the products run on tiles of our own packing (attention_amx.cc): the head's width padded to 32, the
+    keys in chunks of up to 512 (here two, the last one short and padded to 32), queries 16 at a time (the last
+    group short). Against the exact attention of the same bf16 inputs, every value is within what bf16 weights and
+    a bf16 output allow, and the mean error is a tenth of that: one key, column or pair out of place moves it by
+    far more."""
+    r = np.random.RandomState(d)
+    q, k, v = (jnp.asarray(r.randn(2, t, 3, d).astype(np.float32), jnp.bfloat16) for t in (50, 601, 601))
+    k = k * 2  # sharper weights than random ones: the softmax's maximum matters
+    error = np.abs(np.asarray(jax.jit(onednn.attention)(q, k, v), np.float64) - _exact_attention(q, k, v))
+    assert error.max() < 1.5e-2 and error.mean() < 1e-3, (error.max(), error.mean())
+    if "amx_bf16" in onednn.cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        assert onednn.attention_on_amx()
 
 
 def test_an_image_with_a_nan_gets_nan_out_and_the_others_their_attention(kernels):

@@ -69,17 +69,35 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_row
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits + r * m;
     uint16_t* w = weights + r * m;
-    __m512 top16 = _mm512_set1_ps(tops[r]);
-    for (int64_t j = 0; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
+    // Four running maxima and two running sums, so that no loop waits on its own last instruction's latency.
+    __m512 top16 = _mm512_set1_ps(tops[r]), top_b = top16, top_c = top16, top_d = top16;
+    int64_t j = 0;
+    for (; j + 64 <= whole; j += 64) {
+      top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
+      top_b = _mm512_max_ps(top_b, _mm512_loadu_ps(row + j + 16));
+      top_c = _mm512_max_ps(top_c, _mm512_loadu_ps(row + j + 32));
+      top_d = _mm512_max_ps(top_d, _mm512_loadu_ps(row + j + 48));
+    }
+    for (; j < whole; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(row + j));
+    top16 = _mm512_max_ps(_mm512_max_ps(top16, top_b), _mm512_max_ps(top_c, top_d));
     if (last) top16 = _mm512_mask_max_ps(top16, last, top16, _mm512_maskz_loadu_ps(last, row + whole));
     const float top = _mm512_reduce_max_ps(top16);
     const __m512 shift = _mm512_set1_ps(top * log2e_scale);
-    __m512 total16 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < whole; j += 16) {
-      __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
+    __m512 total16 = _mm512_setzero_ps(), total_b = total16;
+    for (j = 0; j + 32 <= whole; j += 32) {
+      const __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
+      const __m512 f = exp2_of(_mm512_loadu_ps(row + j + 16), log2e, shift);
+      total16 = _mm512_add_ps(total16, e);
+      total_b = _mm512_add_ps(total_b, f);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j + 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
+    }
+    for (; j < whole; j += 16) {
+      const __m512 e = exp2_of(_mm512_loadu_ps(row + j), log2e, shift);
       total16 = _mm512_add_ps(total16, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
+    total16 = _mm512_add_ps(total16, total_b);
     if (last) {
       __m512 e = exp2_of(_mm512_maskz_loadu_ps(last, row + whole), log2e, shift);
       total16 = _mm512_mask_add_ps(total16, last, total16, e);

@@ -34,9 +34,10 @@ import jax
 from .. import cpus
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("onednn.cc", "attention.cc", "cpu_loops.cc", "int8.cc")
+    Path(__file__).with_name(name)
+    for name in ("onednn.cc", "attention.cc", "attention_amx.cc", "cpu_loops.cc", "int8.cc")
 )  # one library
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loops.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loops.h", "attention_amx.h"))
 
 
 def _onednn_roots() -> list[Path]:

@@ -149,7 +149,7 @@ std::shared_ptr<void> aligned_block(size_t size) {
 // transparent huge pages (MADV_HUGEPAGE, which the kernel honours under THP's default "madvise" mode as under
 // "always"). Why: a step reads every kept kernel once, from memory (SD-Turbo's UNet 1.7 GB, its text encoder 0.6 GB),
 // and with 4 KB pages each 4 KB costs a TLB miss, a two-level page walk in a VM. Measured on 2 cores of an Intel Xeon
-// VM with AMX: the text encoder's 77-row products 93 -> 65 ms a picture. The tail past the last whole 2 MB stays in
+// VM with AMX: the text encoder's 77-row products 93 -> 63 ms a picture. The tail past the last whole 2 MB stays in
 // 4 KB pages, so nothing is rounded up; smaller kernels keep `aligned_block`. Where the mapping fails (a limit on
 // mappings), the block comes from `aligned_block` as before.
 std::shared_ptr<void> kept_block(size_t size) {

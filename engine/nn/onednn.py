@@ -300,6 +300,16 @@ def pin(params, dtypes: tuple | None = None, int8_values: list | tuple = ()) -> 
     return Pinned(kernels, buffers)
 
 
+def attention_on_amx() -> bool:
+    """Whether bf16 attention (`attention`) computes its two products on AMX tiles here (attention_amx.cc): the CPU
+    has AMX, ONEDNN_MAX_CPU_ISA lets oneDNN use it and Linux granted the tiles; elsewhere oneDNN's matmuls do."""
+    found = handlers()
+    if found is None:
+        return False
+    found.OnednnAttentionOnAmx.restype = ctypes.c_int64
+    return bool(found.OnednnAttentionOnAmx())
+
+
 def reordered_bytes() -> int:
     """Bytes of reordered kernels oneDNN keeps for pinned params (0 where the kernels are off)."""
     found = handlers()
