@@ -145,13 +145,14 @@ std::shared_ptr<void> aligned_block(size_t size) {
   return std::shared_ptr<void>(std::aligned_alloc(64, (std::max<size_t>(size, 64) + 63) / 64 * 64), std::free);
 }
 
-// A kept kernel's block: where it spans a 2 MB page, its own mapping starting on a 2 MB boundary and marked for
-// transparent huge pages (MADV_HUGEPAGE, which the kernel honours under THP's default "madvise" mode as under
-// "always"). Why: a step reads every kept kernel once, from memory (SD-Turbo's UNet 1.7 GB, its text encoder 0.6 GB),
-// and with 4 KB pages each 4 KB costs a TLB miss, a two-level page walk in a VM. Measured on 2 cores of an Intel Xeon
-// VM with AMX: the text encoder's 77-row products 93 -> 63 ms a picture. The tail past the last whole 2 MB stays in
-// 4 KB pages, so nothing is rounded up; smaller kernels keep `aligned_block`. Where the mapping fails (a limit on
-// mappings), the block comes from `aligned_block` as before.
+// A kept kernel's block: where it spans a 2 MB page, its own mapping starting on a 2 MB boundary, which
+// `advise_huge_pages` marks for transparent huge pages once filled. Why: a step reads every kept kernel once, from
+// memory (SD-Turbo's UNet 1.7 GB, its text encoder 0.6 GB), and with 4 KB pages each 4 KB costs a TLB miss, a
+// two-level page walk in a VM. Measured on 2 cores of an Intel Xeon VM with AMX, the blocks advised from the start:
+// the text encoder's 77-row products 93 -> 63 ms a picture; but the first picture after a start then took 6.8 s
+// instead of 5.1 (the fill's page faults compacting memory for 2 MB pages), so the advice waits for the fill and
+// khugepaged collapses the pages in the background. The tail past the last whole 2 MB stays in 4 KB pages, so
+// nothing is rounded up; smaller kernels keep `aligned_block`, as does a block whose mapping fails.
 std::shared_ptr<void> kept_block(size_t size) {
   constexpr size_t huge = size_t(2) << 20, page = 4096;
   if (size < huge) return aligned_block(size);
@@ -162,8 +163,16 @@ std::shared_ptr<void> kept_block(size_t size) {
   if (aligned > start) munmap(mapped, aligned - start);
   if (start + huge > aligned) munmap(reinterpret_cast<void*>(aligned + length), start + huge - aligned);
   void* block = reinterpret_cast<void*>(aligned);
-  madvise(block, length, MADV_HUGEPAGE);  // advice only: refused (THP off, an old kernel), the block works the same
   return std::shared_ptr<void>(block, [length](void* p) { munmap(p, length); });
+}
+
+// Advises transparent huge pages for a filled kept block from `kept_block`'s own mapping (2 MB-aligned, at least
+// 2 MB): the kernel's khugepaged then moves its 4 KB pages into 2 MB ones in the background. Advised before the
+// fill, the fill's page faults would compact memory for 2 MB pages on the spot.
+void advise_huge_pages(void* block, size_t size) {
+  constexpr size_t huge = size_t(2) << 20, page = 4096;
+  if (size >= huge && uintptr_t(block) % huge == 0)
+    madvise(block, (size + page - 1) / page * page, MADV_HUGEPAGE);  // advice only: refused, nothing changes
 }
 
 // The kernel at `buffer` (`bytes` long) in the layout `want`, written by `fill` the first time this layout (and
@@ -180,6 +189,7 @@ std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc&
   auto block = kept_block(want.get_size());
   memory to(want, cpu(), block.get());
   fill(to);
+  advise_huge_pages(block.get(), want.get_size());
   copies.push_back(Reordered{want, variant, block});
   return block;
 }
