@@ -109,48 +109,41 @@ void amx_pack(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t m, i
   }
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void amx_logits(const uint16_t* q, int64_t d, const uint16_t* packed,
-                                                              int64_t m, int64_t c, float* logits) {
-  const int64_t width = amx_width(d), depth_tiles = width / kDepth, chunk = amx_chunk(m);
-  const uint16_t* keys = packed + c * chunk * width;
+namespace {
+
+// out [16, 16 * groups] f32 (rows `out_stride` floats apart) = a [16, 32 * steps] bf16 (rows `a_stride` elements
+// apart) times the B tiles at `b` (group t's step s at t * steps + s), two groups of 16 columns at a time into tiles
+// 0 and 1; tile 2 holds a's step, tiles 3 and 4 the groups'. `groups` is even.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_products(const uint16_t* a, int64_t a_stride, int64_t steps,
+                                                                 const uint16_t* b, int64_t groups, float* out,
+                                                                 int64_t out_stride) {
   configure_tiles();
-  for (int64_t g = 0; g < chunk / kPairCols; g += 2) {  // two groups of 16 keys at a time, into tiles 0 and 1
+  for (int64_t t = 0; t < groups; t += 2) {
     _tile_zero(0);
     _tile_zero(1);
-    for (int64_t s = 0; s < depth_tiles; ++s) {
-      _tile_loadd(2, q + s * kDepth, width * 2);
-      _tile_loadd(3, keys + (g * depth_tiles + s) * kTileElems, kTileBytes);
-      _tile_loadd(4, keys + ((g + 1) * depth_tiles + s) * kTileElems, kTileBytes);
+    for (int64_t s = 0; s < steps; ++s) {
+      _tile_loadd(2, a + s * kDepth, a_stride * 2);
+      _tile_loadd(3, b + (t * steps + s) * kTileElems, kTileBytes);
+      _tile_loadd(4, b + ((t + 1) * steps + s) * kTileElems, kTileBytes);
       _tile_dpbf16ps(0, 2, 3);
       _tile_dpbf16ps(1, 2, 4);
     }
-    _tile_stored(0, logits + g * kPairCols, chunk * 4);
-    _tile_stored(1, logits + (g + 1) * kPairCols, chunk * 4);
+    _tile_stored(0, out + t * kPairCols, out_stride * 4);
+    _tile_stored(1, out + (t + 1) * kPairCols, out_stride * 4);
   }
   _tile_release();
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void amx_weighted_sum(const uint16_t* weights, int64_t d,
-                                                                    const uint16_t* packed, int64_t m, int64_t c,
-                                                                    float* out) {
+}  // namespace
+
+void amx_logits(const uint16_t* q, int64_t d, const uint16_t* packed, int64_t m, int64_t c, float* logits) {
+  const int64_t width = amx_width(d), chunk = amx_chunk(m);
+  tile_products(q, width, width / kDepth, packed + c * chunk * width, chunk / kPairCols, logits, chunk);
+}
+
+void amx_weighted_sum(const uint16_t* weights, int64_t d, const uint16_t* packed, int64_t m, int64_t c, float* out) {
   const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = (m + chunk - 1) / chunk;
-  const int64_t steps = chunk / kDepth, column_tiles = width / kPairCols;
-  const uint16_t* values = packed + (chunks + c) * chunk * width;  // tile (column group t, step s): t * steps + s
-  configure_tiles();
-  for (int64_t t0 = 0; t0 < column_tiles; t0 += 2) {  // two tiles of 16 output columns at a time: tiles 0 and 1
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t s = 0; s < steps; ++s) {
-      _tile_loadd(2, weights + s * kDepth, chunk * 2);
-      _tile_loadd(3, values + (t0 * steps + s) * kTileElems, kTileBytes);
-      _tile_loadd(4, values + ((t0 + 1) * steps + s) * kTileElems, kTileBytes);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
-    }
-    _tile_stored(0, out + t0 * kPairCols, width * 4);
-    _tile_stored(1, out + (t0 + 1) * kPairCols, width * 4);
-  }
-  _tile_release();
+  tile_products(weights, chunk, chunk / kDepth, packed + (chunks + c) * chunk * width, width / kPairCols, out, width);
 }
 
 }  // namespace jax_sd
