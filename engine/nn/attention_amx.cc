@@ -26,6 +26,14 @@
 #include "attention_amx.h"
 #include "cpu_loops.h"
 
+// AMX intrinsics came with GCC 11 and Clang 12; an older compiler builds the rest of the library, and attention
+// keeps oneDNN's products (amx_tiles is false).
+#if (defined(__clang__) && __has_include(<amxintrin.h>)) || (!defined(__clang__) && __has_include(<amxtileintrin.h>))
+#define JAX_SD_AMX_INTRINSICS 1
+#else
+#define JAX_SD_AMX_INTRINSICS 0
+#endif
+
 namespace jax_sd {
 
 namespace {
@@ -36,6 +44,7 @@ constexpr int64_t kPairCols = 16;     // columns of a B tile (each a pair of bf1
 constexpr int64_t kDepth = 32;        // the K dimension one TDPBF16PS takes
 constexpr int64_t kTileElems = 512;   // bf16 elements of a B tile (16 rows x 32)
 
+#if JAX_SD_AMX_INTRINSICS
 // The tile configuration: palette 1, all eight tiles 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -54,11 +63,12 @@ __attribute__((target("amx-tile"))) void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+#endif
 }  // namespace
 
 bool amx_tiles() {
   // Linux hands out the tiles' state only to a process that asks (ARCH_REQ_XCOMP_PERM for XTILEDATA).
-  static const bool ready = amx_allowed() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  static const bool ready = JAX_SD_AMX_INTRINSICS && amx_allowed() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ready;
 }
 
@@ -110,6 +120,7 @@ void amx_pack(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t m, i
   }
 }
 
+#if JAX_SD_AMX_INTRINSICS
 namespace {
 
 // out [16, 16 * groups] f32 (rows `out_stride` floats apart) = a [16, 32 * steps] bf16 (rows `a_stride` elements
@@ -146,5 +157,10 @@ void amx_weighted_sum(const uint16_t* weights, int64_t d, const uint16_t* packed
   const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = (m + chunk - 1) / chunk;
   tile_products(weights, chunk, chunk / kDepth, packed + (chunks + c) * chunk * width, width / kPairCols, out, width);
 }
+
+#else
+void amx_logits(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {}  // unreached: no amx_tiles
+void amx_weighted_sum(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {}
+#endif
 
 }  // namespace jax_sd
