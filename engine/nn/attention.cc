@@ -103,7 +103,7 @@ thread_local Buffer amx_queries, amx_logits_buffer, amx_weights, amx_result, amx
 
 // The bf16 path on AMX tiles (attention_amx.cc): each (image, head)'s keys and values packed once; then per task, an
 // (image, head, block of kAttentionRows queries), 16 queries at a time against chunks of amx_chunk(m) keys, the
-// softmax online (softmax_rows, each row by itself: a last chunk's rows are shorter than the logits' stride).
+// softmax online (softmax_rows; a last, shorter chunk row by row, its rows shorter than the logits' stride).
 ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, void* op, bool bf16_out,
                          int64_t b, int64_t n, int64_t h, int64_t d, int64_t m, float scale,
                          const std::vector<char>& broken) {
