@@ -61,7 +61,7 @@ AttentionPrims* attention_for(int64_t rows, int64_t m, int64_t d, memory::data_t
   });
 }
 
-thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, keys_buffer;
+thread_local Buffer queries_buffer, logits_buffer, weights_buffer, out_buffer, total_buffer, keys_buffer;
 
 // Whether a bf16 (or f32) array holds an inf or NaN (exponent bits all set): fast-math arithmetic cannot be trusted
 // to carry them, so an image whose q, k or v holds one gets NaN out, as the plain formulation gives.
@@ -99,15 +99,13 @@ void fill_nan(void* op, bool bf16_out, int64_t at, int64_t rows, int64_t stride,
     }
 }
 
-thread_local Buffer amx_queries, amx_logits_buffer, amx_weights, amx_result, amx_total;
-
 // The bf16 path on AMX tiles (attention_amx.cc): each (image, head)'s keys and values packed once; then per task, an
 // (image, head, block of kAttentionRows queries), 16 queries at a time against chunks of amx_chunk(m) keys, the
 // softmax online (softmax_rows; a last, shorter chunk row by row, its rows shorter than the logits' stride).
 ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, void* op, bool bf16_out,
                          int64_t b, int64_t n, int64_t h, int64_t d, int64_t m, float scale,
                          const std::vector<char>& broken) {
-  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = (m + chunk - 1) / chunk;
+  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = amx_chunks(m);
   const int64_t packed_size = amx_packed_size(m, d), hd = h * d;
   auto* packed = static_cast<uint16_t*>(keys_buffer.at_least(packed_size * 2 * b * h));
 #pragma omp parallel for
@@ -126,11 +124,11 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
       continue;
     }
     FlushDenormals flushed;
-    auto* queries = static_cast<uint16_t*>(amx_queries.at_least(16 * width * 2));
-    auto* logits = static_cast<float*>(amx_logits_buffer.at_least(16 * chunk * 4));
-    auto* weights = static_cast<uint16_t*>(amx_weights.at_least(16 * chunk * 2));
-    auto* result = static_cast<float*>(amx_result.at_least(16 * width * 4));
-    auto* total = static_cast<float*>(amx_total.at_least(16 * width * 4));
+    auto* queries = static_cast<uint16_t*>(queries_buffer.at_least(16 * width * 2));
+    auto* logits = static_cast<float*>(logits_buffer.at_least(16 * chunk * 4));
+    auto* weights = static_cast<uint16_t*>(weights_buffer.at_least(16 * chunk * 2));
+    auto* result = static_cast<float*>(out_buffer.at_least(16 * width * 4));
+    auto* total = static_cast<float*>(total_buffer.at_least(16 * width * 4));
     const uint16_t* keys_values = packed + (image * h + head) * packed_size;
     float tops[16], sums[16], rescale[16];
     for (int64_t g = 0; g < rows; g += 16) {

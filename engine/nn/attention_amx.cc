@@ -76,9 +76,10 @@ int64_t amx_width(int64_t d) { return (d + kDepth - 1) / kDepth * kDepth; }
 
 int64_t amx_chunk(int64_t m) { return std::min(kAmxKeys, (m + kDepth - 1) / kDepth * kDepth); }
 
+int64_t amx_chunks(int64_t m) { return (m + amx_chunk(m) - 1) / amx_chunk(m); }
+
 int64_t amx_packed_size(int64_t m, int64_t d) {
-  const int64_t chunk = amx_chunk(m);
-  return 2 * ((m + chunk - 1) / chunk) * chunk * amx_width(d);
+  return 2 * amx_chunks(m) * amx_chunk(m) * amx_width(d);
 }
 
 void amx_pack(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t m, int64_t d, uint16_t* packed) {
@@ -86,7 +87,7 @@ void amx_pack(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t m, i
   // words (a bf16 pair each), keys' tile (key group g, depth step s) [p][c] is key 16g + c's pair 16s + p (the
   // logits' B operand k^T, its rows pairs of the head's width), and values' tile (column group t, key step s) [p][c]
   // is column 16t + c of keys 32s + 2p and 32s + 2p + 1 (the weighted sum's B operand v, its rows pairs of keys).
-  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = (m + chunk - 1) / chunk;
+  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = amx_chunks(m);
   const int64_t depth_tiles = width / kDepth, steps = chunk / kDepth, column_tiles = width / kPairCols;
   thread_local std::vector<uint16_t> rows;
   rows.resize(2 * chunk * width);
@@ -154,7 +155,7 @@ void amx_logits(const uint16_t* q, int64_t d, const uint16_t* packed, int64_t m,
 }
 
 void amx_weighted_sum(const uint16_t* weights, int64_t d, const uint16_t* packed, int64_t m, int64_t c, float* out) {
-  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = (m + chunk - 1) / chunk;
+  const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = amx_chunks(m);
   tile_products(weights, chunk, chunk / kDepth, packed + (chunks + c) * chunk * width, width / kPairCols, out, width);
 }
 

@@ -17,6 +17,7 @@ bool amx_tiles();
 // multiple of 32); a query block's rows are 16, its queries [16, amx_width(d)] bf16 with zeros past d.
 int64_t amx_width(int64_t d);
 int64_t amx_chunk(int64_t m);
+int64_t amx_chunks(int64_t m);  // chunks of amx_chunk(m) keys, the last one short
 
 // bf16 elements of one (image, head)'s packed keys and values (amx_pack).
 int64_t amx_packed_size(int64_t m, int64_t d);

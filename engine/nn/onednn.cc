@@ -145,6 +145,10 @@ std::shared_ptr<void> aligned_block(size_t size) {
   return std::shared_ptr<void>(std::aligned_alloc(64, (std::max<size_t>(size, 64) + 63) / 64 * 64), std::free);
 }
 
+constexpr size_t kHugePage = size_t(2) << 20, kPage = 4096;
+
+size_t whole_pages(size_t size) { return (size + kPage - 1) / kPage * kPage; }
+
 // A kept kernel's block: where it spans a 2 MB page, its own mapping starting on a 2 MB boundary, which
 // `advise_huge_pages` marks for transparent huge pages once filled. Why: a step reads every kept kernel once, from
 // memory (SD-Turbo's UNet 1.7 GB, its text encoder 0.6 GB), and with 4 KB pages each 4 KB costs a TLB miss, a
@@ -154,14 +158,13 @@ std::shared_ptr<void> aligned_block(size_t size) {
 // khugepaged collapses the pages in the background. The tail past the last whole 2 MB stays in 4 KB pages, so
 // nothing is rounded up; smaller kernels keep `aligned_block`, as does a block whose mapping fails.
 std::shared_ptr<void> kept_block(size_t size) {
-  constexpr size_t huge = size_t(2) << 20, page = 4096;
-  if (size < huge) return aligned_block(size);
-  size_t length = (size + page - 1) / page * page;
-  void* mapped = mmap(nullptr, length + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (size < kHugePage) return aligned_block(size);
+  const size_t length = whole_pages(size);
+  void* mapped = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mapped == MAP_FAILED) return aligned_block(size);
-  uintptr_t start = uintptr_t(mapped), aligned = (start + huge - 1) / huge * huge;
+  uintptr_t start = uintptr_t(mapped), aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
   if (aligned > start) munmap(mapped, aligned - start);
-  if (start + huge > aligned) munmap(reinterpret_cast<void*>(aligned + length), start + huge - aligned);
+  if (start + kHugePage > aligned) munmap(reinterpret_cast<void*>(aligned + length), start + kHugePage - aligned);
   void* block = reinterpret_cast<void*>(aligned);
   return std::shared_ptr<void>(block, [length](void* p) { munmap(p, length); });
 }
@@ -170,9 +173,8 @@ std::shared_ptr<void> kept_block(size_t size) {
 // 2 MB): the kernel's khugepaged then moves its 4 KB pages into 2 MB ones in the background. Advised before the
 // fill, the fill's page faults would compact memory for 2 MB pages on the spot.
 void advise_huge_pages(void* block, size_t size) {
-  constexpr size_t huge = size_t(2) << 20, page = 4096;
-  if (size >= huge && uintptr_t(block) % huge == 0)
-    madvise(block, (size + page - 1) / page * page, MADV_HUGEPAGE);  // advice only: refused, nothing changes
+  if (size >= kHugePage && uintptr_t(block) % kHugePage == 0)
+    madvise(block, whole_pages(size), MADV_HUGEPAGE);  // advice only: refused, nothing changes
 }
 
 // The kernel at `buffer` (`bytes` long) in the layout `want`, written by `fill` the first time this layout (and
