@@ -299,6 +299,12 @@ class App:
     settings: ClusterSettings
     replicas: int
 
+    def replica_options(self) -> dict:
+        """Each replica takes its share of the users at most (8 of 16), so that Serve's router must give every
+        replica its share: with the deployment's 16 a replica could hold them all, and once did (the router's cached
+        queue lengths sent all 16 users to one replica while the other stood idle)."""
+        return {"num_replicas": self.replicas, "max_ongoing_requests": max(1, USERS // self.replicas)}
+
 
 class LocalCluster:
     """Ray on this machine (one CPU per replica, no dashboard), Serve's proxy on a free 127.0.0.1 port, the apps
@@ -339,7 +345,7 @@ class LocalCluster:
         quiet = LoggingConfig(log_level="WARNING", enable_access_log=False)
         targets = [
             RunTarget(
-                cluster.application(app.settings, replica=cluster.EngineReplica.options(num_replicas=app.replicas)),
+                cluster.application(app.settings, replica=cluster.EngineReplica.options(**app.replica_options())),
                 name=app.name,
                 route_prefix=app.route_prefix,
                 logging_config=quiet,
