@@ -13,14 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..nn.layers import embed, layer_norm, linear, softmax_attention
+from ..nn.layers import causal_attention, embed, layer_norm, linear
 from .config import CLIPTextConfig
-
-
-def _activation(name: str, x: jax.Array) -> jax.Array:
-    if name == "quick_gelu":
-        return x * jax.nn.sigmoid(1.702 * x)
-    return jax.nn.gelu(x, approximate=False)
 
 
 class CLIPAttention(nnx.Module):
@@ -35,19 +29,18 @@ class CLIPAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, n, d = x.shape
         split = lambda t: t.reshape(b, n, self.heads, d // self.heads)  # noqa: E731 [batch, tokens, heads, head_dim]
-        causal = jnp.tril(jnp.ones((n, n), bool))  # token i sees tokens 0..i
-        out = softmax_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)), causal)
+        out = causal_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)))  # i sees 0..i
         return self.out_proj(out.reshape(b, n, d))
 
 
 class CLIPMLP(nnx.Module):
     def __init__(self, cfg: CLIPTextConfig, rngs: nnx.Rngs):
-        self.hidden_act = cfg.hidden_act
+        self.hidden_act = "quick_gelu" if cfg.hidden_act == "quick_gelu" else "gelu"  # transformers' exact GELU
         self.fc1 = linear(cfg.hidden_size, cfg.intermediate_size, rngs)
         self.fc2 = linear(cfg.intermediate_size, cfg.hidden_size, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.fc2(_activation(self.hidden_act, self.fc1(x)))
+        return self.fc2(self.fc1(x, activation=self.hidden_act))
 
 
 class CLIPEncoderLayer(nnx.Module):

@@ -99,11 +99,28 @@ void fill_nan(void* op, bool bf16_out, int64_t at, int64_t rows, int64_t stride,
     }
 }
 
+// Causal attention (`causal`, the text encoders' self-attention, as many keys as queries): query i sees keys 0..i. In
+// `rows` rows of logits `stride` apart, the first query `first_query` and the first key `first_key`, the logits of the
+// keys a row may not see become -inf, so that they count for nothing in its maximum.
+void hide_later_keys(float* logits, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = std::max<int64_t>(0, first_query + r + 1 - first_key); j < keys; ++j)
+      logits[r * stride + j] = -std::numeric_limits<float>::infinity();
+}
+
+// Then their weights 0 (the softmax's exponentials stop at 2^-126, never 0; what they added to a row's sum is at most
+// keys x 2^-126).
+template <typename T>
+void zero_later_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = std::max<int64_t>(0, first_query + r + 1 - first_key); j < keys; ++j) weights[r * stride + j] = 0;
+}
+
 // The bf16 path on AMX tiles (attention_amx.cc): each (image, head)'s keys and values packed once; then per task, an
 // (image, head, block of kAttentionRows queries), 16 queries at a time against chunks of amx_chunk(m) keys, the
 // softmax online (softmax_rows; a last, shorter chunk row by row, its rows shorter than the logits' stride).
 ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, void* op, bool bf16_out,
-                         int64_t b, int64_t n, int64_t h, int64_t d, int64_t m, float scale,
+                         int64_t b, int64_t n, int64_t h, int64_t d, int64_t m, float scale, bool causal,
                          const std::vector<char>& broken) {
   const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = amx_chunks(m);
   const int64_t packed_size = amx_packed_size(m, d), hd = h * d;
@@ -138,9 +155,12 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
       for (int64_t r = 0; r < count; ++r) std::memcpy(queries + r * width, qp + q_at + (g + r) * hd, d * 2);
       std::fill(tops, tops + 16, -std::numeric_limits<float>::infinity());
       std::fill(sums, sums + 16, 0.f);
+      const int64_t first = row0 + g;  // the group's first query
       for (int64_t c = 0; c < chunks; ++c) {
+        if (causal && c * chunk > first + count - 1) break;  // keys none of the group's queries sees
         const int64_t keys = std::min(chunk, m - c * chunk);
         amx_logits(queries, d, keys_values, m, c, logits);
+        if (causal) hide_later_keys(logits, count, chunk, keys, first, c * chunk);
         if (keys == chunk) {
           softmax_rows(logits, weights, tops, sums, rescale, count, keys, scale);
         } else {  // rows of `keys` logits `chunk` apart, the weights past them left 0
@@ -148,6 +168,7 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
             softmax_rows(logits + r * chunk, weights + r * chunk, tops + r, sums + r, rescale + r, 1, keys, scale);
           for (int64_t r = 0; r < count; ++r) std::memset(weights + r * chunk + keys, 0, (chunk - keys) * 2);
         }
+        if (causal) zero_later_keys(weights, count, chunk, keys, first, c * chunk);
         amx_weighted_sum(weights, d, keys_values, m, c, c == 0 ? total : result);
         if (c > 0)  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
           for (int64_t r = 0; r < count; ++r)
@@ -169,7 +190,7 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
 }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                         float scale) {
+                         float scale, bool causal) {
   const auto given = q.element_type();
   if ((given != ffi::DataType::BF16 && given != ffi::DataType::F32) || k.element_type() != given ||
       v.element_type() != given ||
@@ -179,6 +200,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
     return ffi::Error::InvalidArgument("onednn_attention takes q [B, N, H, D] and k, v [B, M, H, D]");
   const int64_t b = qd[0], n = qd[1], h = qd[2], d = qd[3], m = kd[1];
+  if (causal && n != m) return ffi::Error::InvalidArgument("causal onednn_attention takes as many keys as queries");
   const int64_t blocks = (n + kAttentionRows - 1) / kAttentionRows, tasks = b * h * blocks;
   const bool bf16_out = out->element_type() == ffi::DataType::BF16, f32 = given == ffi::DataType::F32;
   const int64_t size = f32 ? 4 : 2;  // bytes of an element of q, k, v and the weights
@@ -189,7 +211,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   void* op = out->untyped_data();
   if (!f32 && d <= kAmxMaxWidth && amx_tiles())
     return amx_attention(reinterpret_cast<const uint16_t*>(qp), reinterpret_cast<const uint16_t*>(kp),
-                         reinterpret_cast<const uint16_t*>(vp), op, bf16_out, b, n, h, d, m, scale,
+                         reinterpret_cast<const uint16_t*>(vp), op, bf16_out, b, n, h, d, m, scale, causal,
                          broken_images(qp, kp, vp, b, n, m, h * d, f32));
   std::string error;
   // The products' shapes: blocks of up to kAttentionRows queries, `prims[last block]` (the last may be shorter),
@@ -262,10 +284,13 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         p->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
                                    {DNNL_ARG_SCRATCHPAD, s1}});
       }
+      if (causal) hide_later_keys(logits, rows, m, m, row0, 0);
       if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
       else
         softmax_rows(logits, static_cast<uint16_t*>(weights), tops.data(), sums.data(), rescale.data(), rows, m,
                      scale);
+      if (causal && f32) zero_later_keys(logits, rows, m, m, row0, 0);
+      else if (causal) zero_later_keys(static_cast<uint16_t*>(weights), rows, m, m, row0, 0);
       memory wm(p->out_pd.src_desc(), cpu(), weights), vm(p->out_pd.weights_desc(), cpu(), kv + k_size),
           om(p->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(p->out_pd.scratchpad_desc());
       p->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
@@ -299,4 +324,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));

@@ -175,6 +175,22 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: ja
     return softmax_attention(q, k, v)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`dot_product_attention` where query i sees keys 0..i (the text encoders' self-attention): in one oneDNN-side
+    call where bf16 attention runs there (the SD-Turbo text encoder's 23 attentions of 77 tokens: about 6 ms of 91 on
+    2 Xeon cores with AMX), cuDNN's on the GPU, else the plain formulation under a lower-triangular mask."""
+    kind = attention_kind(jax.default_backend(), q, k)
+    if kind == "onednn" and q.dtype == jnp.bfloat16:
+        return onednn.attention(q, k, v, causal=True)
+    if kind == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError):
+            pass
+    n, m = q.shape[1], k.shape[1]
+    return softmax_attention(q, k, v, jnp.tril(jnp.ones((n, m), bool)))
+
+
 def masked_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array) -> jax.Array:
     """`dot_product_attention` with a key mask: cuDNN's kernel where it takes it, the CPU's query blocks where the
     logits are large (the oneDNN kernel takes no mask), else the plain formulation."""

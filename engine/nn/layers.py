@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from . import int8, onednn
-from .attention import dot_product_attention, softmax_attention  # noqa: F401 - the text encoder's plain path
+from .attention import causal_attention, dot_product_attention, softmax_attention  # noqa: F401 - text encoders, tests
 from .token_merging import bipartite_merge
 
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
@@ -47,19 +47,30 @@ def _inits(*names: str) -> dict:
     return dict.fromkeys(names, _shape) if _SHAPES_ONLY.get() else {}
 
 
+# The activations a linear layer may apply to its output (`Linear.__call__`), as transformers names them.
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
 class Linear(nnx.Linear):
     """`nnx.Linear`, whose parameters and numbers it keeps; a bf16 kernel on the CPU runs in oneDNN (onednn.py), a
     quantized one (`int8.QuantizedKernel`, `--quantize w8a8`) in int8 (int8.py)."""
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if isinstance(self.kernel.get_value(), int8.QuantizedKernel):
-            bias = self.bias[...] if self.bias is not None else None
-            return int8.matmul(x, self.kernel.get_value(), bias)
-        kernel = self.kernel[...]
-        if not onednn.serves(kernel.dtype):
-            return super().__call__(x)
+    def __call__(self, x: jax.Array, activation: str | None = None) -> jax.Array:
+        """x @ kernel + bias, then `activation` (an ACTIVATIONS name) where given: inside oneDNN's product on the bf16
+        CPU path (its f32 sums, rounded once), after it elsewhere."""
+        kernel = self.kernel.get_value()
         bias = self.bias[...] if self.bias is not None else None
-        return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype))
+        if isinstance(kernel, int8.QuantizedKernel):
+            out = int8.matmul(x, kernel, bias)
+        elif onednn.serves(kernel.dtype):
+            return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype), activation)
+        else:
+            out = super().__call__(x)
+        return ACTIVATIONS[activation](out) if activation else out
 
 
 def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> Linear:

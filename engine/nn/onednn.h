@@ -53,9 +53,10 @@ T* cached(std::unordered_map<std::string, std::unique_ptr<T>>& cache, const std:
   return slot.get();
 }
 
-// A matmul's primitive descriptor in either oneDNN API (bias optional).
+// A matmul's primitive descriptor in either oneDNN API (bias optional; `attr`: our scratchpad and any post-ops).
 dnnl::matmul::primitive_desc matmul_pd(const dnnl::memory::desc& x, const dnnl::memory::desc& w,
-                                       const dnnl::memory::desc* bias, const dnnl::memory::desc& y);
+                                       const dnnl::memory::desc* bias, const dnnl::memory::desc& y,
+                                       const dnnl::primitive_attr& attr = own_scratchpad());
 
 xla::ffi::Error failed(const char* what);
 

@@ -333,22 +333,33 @@ def _residual(add: jax.Array | None, shape: tuple[int, ...]) -> tuple[jax.Array,
     return (add.reshape(shape),)
 
 
-def matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
-    """x [..., K] @ kernel [K, N] + bias [N] -> [..., N] in out_dtype; x is cast to the kernel's dtype."""
+# The activations a matmul applies to its f32 sums as a post-op (onednn.cc's `Activation`), by layers.ACTIVATIONS' names.
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
+
+
+def matmul(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype, activation: str | None = None
+) -> jax.Array:
+    """activation(x [..., K] @ kernel [K, N] + bias [N]) -> [..., N] in out_dtype; x is cast to the kernel's dtype.
+    `activation`: one of ACTIVATION_CODES' names, computed on the f32 sums before their rounding to out_dtype."""
     k, n = kernel.shape
     flat = x.reshape(-1, k).astype(kernel.dtype)
     call = jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((flat.shape[0], n), out_dtype), vmap_method="sequential")
-    return call(flat, kernel, _bias(bias, n)).reshape(*x.shape[:-1], n)
+    code = np.int64(ACTIVATION_CODES[activation])
+    return call(flat, kernel, _bias(bias, n), activation=code).reshape(*x.shape[:-1], n)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = False) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
     head and block of 256 queries, the logits (oneDNN's; in f32 with AVX2 our own kernel), their softmax in f32
     (AVX-512 exponentials for bf16, AVX2 for f32), the weights in q's precision into oneDNN's second product. f32 q,
-    k and v stay f32; any other dtype is cast to bf16. The output is q's dtype."""
+    k and v stay f32; any other dtype is cast to bf16. The output is q's dtype. `causal`: query i sees keys 0..i
+    only (as many keys as queries)."""
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention takes as many keys as queries, not {k.shape[1]} for {q.shape[1]}")
     given = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(*(a.astype(given) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5))
+    return call(*(a.astype(given) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5), causal=causal)
 
 
 def conv(
