@@ -482,13 +482,15 @@ def test_bf16_attention_whose_logits_grow_from_chunk_to_chunk_equals_the_plain_f
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
-def _exact_attention(q, k, v, causal: bool = False) -> np.ndarray:
+def _exact_attention(q, k, v, causal: bool = False, key_mask=None) -> np.ndarray:
     """softmax(q k^T / sqrt(d)) v in float64, of q, k and v as given: [B, N, H, D] each; `causal`: query i sees
-    keys 0..i."""
+    keys 0..i; `key_mask` [B, M]: the keys each image may attend."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     logits = np.einsum("bnhd,bmhd->bhnm", q, k) / np.sqrt(q.shape[-1])
     if causal:
         logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
+    if key_mask is not None:
+        logits = np.where(np.asarray(key_mask)[:, None, None, :], logits, -np.inf)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     return np.einsum("bhnm,bmhd->bnhd", weights / weights.sum(-1, keepdims=True), v)
 
@@ -524,6 +526,45 @@ def test_bf16_causal_attention_is_within_bf16_rounding_of_the_exact_masked_one(k
     np.testing.assert_array_equal(got[:, 0], np.asarray(v[:, 0], np.float64))
     with pytest.raises(ValueError, match="as many keys as queries"):
         onednn.attention(q[:, :600], k, v, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_attention_under_a_key_mask_is_within_bf16_rounding_of_the_exact_one(kernels, d):
+    """Each image attends the keys its mask allows (Z-Image's padded captions): here 601 keys, two chunks on AMX, the
+    first image seeing keys on both sides of the chunks' boundary, the second only its first 100. A masked key that
+    counted would move rows by far more than bf16's rounding; an image whose mask allows no key gets the plain
+    formulation's uniform weights (the mean of its values), not NaN."""
+    from engine.nn import attention as attn
+
+    r = np.random.RandomState(d)
+    q, k, v = (jnp.asarray(r.randn(3, t, 2, d).astype(np.float32), jnp.bfloat16) for t in (50, 601, 601))
+    k = k * 2
+    mask = np.zeros((3, 601), bool)
+    mask[0, 400:560] = mask[0, :30] = True
+    mask[1, :100] = True  # the third image: no key at all
+    got = np.asarray(jax.jit(lambda q, k, v, m: onednn.attention(q, k, v, key_mask=m))(q, k, v, mask), np.float64)
+    error = np.abs(got[:2] - _exact_attention(q[:2], k[:2], v[:2], key_mask=mask[:2]))
+    assert error.max() < 1.5e-2 and error.mean() < 1e-3, (error.max(), error.mean())
+    uniform = np.asarray(attn.softmax_attention(exact(q), exact(k), exact(v), jnp.asarray(mask)[:, None, None]))
+    np.testing.assert_allclose(got[2], uniform[2], atol=2e-2)
+    np.testing.assert_allclose(
+        got[2], np.broadcast_to(np.asarray(exact(v), np.float64)[2].mean(0), got[2].shape), atol=2e-2
+    )
+    with pytest.raises(ValueError, match="not with causal"):
+        onednn.attention(q, q, q, causal=True, key_mask=mask[:, :50])
+
+
+def test_f32_attention_under_a_key_mask_in_onednn_equals_the_masked_plain_formulation():
+    """Any x86-64 CPU: the same mask over the f32 softmax in place, the second block of queries shorter."""
+    _built_or_skip()
+    from engine.nn import attention as attn
+
+    r = np.random.RandomState(4)
+    q, k, v = (jnp.asarray(r.randn(2, t, 3, 40).astype(np.float32) * 2) for t in (333, 1027, 1027))
+    mask = np.arange(1027)[None, :] < np.array([[1000], [77]])
+    got = jax.jit(lambda q, k, v, m: onednn.attention(q, k, v, key_mask=m))(q, k, v, mask)
+    want = attn.softmax_attention(q, k, v, jnp.asarray(mask)[:, None, None])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # exp's polynomial: 3e-6 relative
 
 
 def test_f32_causal_attention_in_onednn_equals_the_masked_plain_formulation_to_f32_rounding():

@@ -116,12 +116,42 @@ void zero_later_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, int
     for (int64_t j = std::max<int64_t>(0, first_query + r + 1 - first_key); j < keys; ++j) weights[r * stride + j] = 0;
 }
 
+// A key mask (`key_mask` [B, M], true where a key may be attended: Z-Image's padded captions). In `rows` rows of
+// logits `stride` apart over the keys from `first_key`, `keys` of them, the image's masked keys' logits become -inf;
+// where its mask allows no key at all, every logit is 0 instead: uniform weights over all keys, which is what the plain
+// formulation gives (every logit the same lowest number).
+void hide_masked_keys(float* logits, int64_t rows, int64_t stride, int64_t keys, const uint8_t* mask, int64_t first_key,
+                      bool none_visible) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < keys; ++j)
+      if (none_visible) logits[r * stride + j] = 0.f;
+      else if (!mask[first_key + j]) logits[r * stride + j] = -std::numeric_limits<float>::infinity();
+}
+
+// Then the masked keys' weights 0 (where any key is visible), as `zero_later_keys`.
+template <typename T>
+void zero_masked_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, const uint8_t* mask, int64_t first_key) {
+  for (int64_t j = 0; j < keys; ++j)
+    if (!mask[first_key + j])
+      for (int64_t r = 0; r < rows; ++r) weights[r * stride + j] = 0;
+}
+
+// Per image, whether its key mask allows no key at all (none where there is no mask).
+std::vector<char> no_visible_key(const uint8_t* mask, int64_t b, int64_t m) {
+  std::vector<char> none(b, 0);
+  if (mask)
+    for (int64_t image = 0; image < b; ++image)
+      none[image] = std::all_of(mask + image * m, mask + (image + 1) * m, [](uint8_t v) { return v == 0; });
+  return none;
+}
+
 // The bf16 path on AMX tiles (attention_amx.cc): each (image, head)'s keys and values packed once; then per task, an
 // (image, head, block of kAttentionRows queries), 16 queries at a time against chunks of amx_chunk(m) keys, the
 // softmax online (softmax_rows; a last, shorter chunk row by row, its rows shorter than the logits' stride).
 ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, void* op, bool bf16_out,
                          int64_t b, int64_t n, int64_t h, int64_t d, int64_t m, float scale, bool causal,
-                         const std::vector<char>& broken) {
+                         const uint8_t* key_mask, const std::vector<char>& broken) {
+  const std::vector<char> none_visible = no_visible_key(key_mask, b, m);
   const int64_t width = amx_width(d), chunk = amx_chunk(m), chunks = amx_chunks(m);
   const int64_t packed_size = amx_packed_size(m, d), hd = h * d;
   auto* packed = static_cast<uint16_t*>(keys_buffer.at_least(packed_size * 2 * b * h));
@@ -161,6 +191,7 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
         const int64_t keys = std::min(chunk, m - c * chunk);
         amx_logits(queries, d, keys_values, m, c, logits);
         if (causal) hide_later_keys(logits, count, chunk, keys, first, c * chunk);
+        if (key_mask) hide_masked_keys(logits, count, chunk, keys, key_mask + image * m, c * chunk, none_visible[image]);
         if (keys == chunk) {
           softmax_rows(logits, weights, tops, sums, rescale, count, keys, scale);
         } else {  // rows of `keys` logits `chunk` apart, the weights past them left 0
@@ -169,6 +200,7 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
           for (int64_t r = 0; r < count; ++r) std::memset(weights + r * chunk + keys, 0, (chunk - keys) * 2);
         }
         if (causal) zero_later_keys(weights, count, chunk, keys, first, c * chunk);
+        if (key_mask && !none_visible[image]) zero_masked_keys(weights, count, chunk, keys, key_mask + image * m, c * chunk);
         amx_weighted_sum(weights, d, keys_values, m, c, c == 0 ? total : result);
         if (c > 0)  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
           for (int64_t r = 0; r < count; ++r)
@@ -189,8 +221,8 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                         float scale, bool causal) {
+ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs rest,
+                         ffi::Result<ffi::AnyBuffer> out, float scale, bool causal) {
   const auto given = q.element_type();
   if ((given != ffi::DataType::BF16 && given != ffi::DataType::F32) || k.element_type() != given ||
       v.element_type() != given ||
@@ -201,6 +233,15 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     return ffi::Error::InvalidArgument("onednn_attention takes q [B, N, H, D] and k, v [B, M, H, D]");
   const int64_t b = qd[0], n = qd[1], h = qd[2], d = qd[3], m = kd[1];
   if (causal && n != m) return ffi::Error::InvalidArgument("causal onednn_attention takes as many keys as queries");
+  // The optional key mask, its one remaining operand: [B, M] bools.
+  const uint8_t* key_mask = nullptr;
+  if (rest.size() > 0) {
+    auto mask = rest.get<ffi::AnyBuffer>(0);
+    if (rest.size() != 1 || !mask.has_value() || mask->element_type() != ffi::DataType::PRED ||
+        mask->dimensions().size() != 2 || mask->dimensions()[0] != b || mask->dimensions()[1] != m || causal)
+      return ffi::Error::InvalidArgument("onednn_attention's key mask is [B, M] bools, and not with causal");
+    key_mask = static_cast<const uint8_t*>(mask->untyped_data());
+  }
   const int64_t blocks = (n + kAttentionRows - 1) / kAttentionRows, tasks = b * h * blocks;
   const bool bf16_out = out->element_type() == ffi::DataType::BF16, f32 = given == ffi::DataType::F32;
   const int64_t size = f32 ? 4 : 2;  // bytes of an element of q, k, v and the weights
@@ -211,7 +252,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   void* op = out->untyped_data();
   if (!f32 && d <= kAmxMaxWidth && amx_tiles())
     return amx_attention(reinterpret_cast<const uint16_t*>(qp), reinterpret_cast<const uint16_t*>(kp),
-                         reinterpret_cast<const uint16_t*>(vp), op, bf16_out, b, n, h, d, m, scale, causal,
+                         reinterpret_cast<const uint16_t*>(vp), op, bf16_out, b, n, h, d, m, scale, causal, key_mask,
                          broken_images(qp, kp, vp, b, n, m, h * d, f32));
   std::string error;
   // The products' shapes: blocks of up to kAttentionRows queries, `prims[last block]` (the last may be shorter),
@@ -232,6 +273,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   const size_t pair_size = k_size + prims[0]->out_pd.weights_desc().get_size();
   char* packed_kv = static_cast<char*>(keys_buffer.at_least(pair_size * b * h));
   const std::vector<char> broken = broken_images(qp, kp, vp, b, n, m, h * d, f32);
+  const std::vector<char> none_visible = no_visible_key(key_mask, b, m);
 #pragma omp parallel for
   for (int64_t pair = 0; pair < b * h; ++pair) {
     try {
@@ -284,13 +326,17 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         p->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
                                    {DNNL_ARG_SCRATCHPAD, s1}});
       }
+      const uint8_t* mask = key_mask ? key_mask + image * m : nullptr;
       if (causal) hide_later_keys(logits, rows, m, m, row0, 0);
+      if (mask) hide_masked_keys(logits, rows, m, m, mask, 0, none_visible[image]);
       if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
       else
         softmax_rows(logits, static_cast<uint16_t*>(weights), tops.data(), sums.data(), rescale.data(), rows, m,
                      scale);
       if (causal && f32) zero_later_keys(logits, rows, m, m, row0, 0);
       else if (causal) zero_later_keys(static_cast<uint16_t*>(weights), rows, m, m, row0, 0);
+      if (mask && !none_visible[image] && f32) zero_masked_keys(logits, rows, m, m, mask, 0);
+      else if (mask && !none_visible[image]) zero_masked_keys(static_cast<uint16_t*>(weights), rows, m, m, mask, 0);
       memory wm(p->out_pd.src_desc(), cpu(), weights), vm(p->out_pd.weights_desc(), cpu(), kv + k_size),
           om(p->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(p->out_pd.scratchpad_desc());
       p->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},
@@ -323,6 +369,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal"));

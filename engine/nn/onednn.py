@@ -349,17 +349,24 @@ def matmul(
     return call(flat, kernel, _bias(bias, n), activation=code).reshape(*x.shape[:-1], n)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = False) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = False, key_mask: jax.Array | None = None
+) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v over [batch, tokens, heads, head_dim] in one call (`AttentionImpl`): per image,
     head and block of 256 queries, the logits (oneDNN's; in f32 with AVX2 our own kernel), their softmax in f32
     (AVX-512 exponentials for bf16, AVX2 for f32), the weights in q's precision into oneDNN's second product. f32 q,
     k and v stay f32; any other dtype is cast to bf16. The output is q's dtype. `causal`: query i sees keys 0..i
-    only (as many keys as queries)."""
+    only (as many keys as queries). `key_mask` [batch, tokens_k] (bool, not with `causal`): True where a key may be
+    attended, the others weigh nothing; an image whose mask allows none gets uniform weights over all its keys, as the
+    plain formulation gives."""
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention takes as many keys as queries, not {k.shape[1]} for {q.shape[1]}")
+    if key_mask is not None and (causal or key_mask.shape != (k.shape[0], k.shape[1])):
+        raise ValueError(f"a key mask is [batch, tokens_k] {k.shape[:2]}, not {key_mask.shape}, and not with causal")
     given = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(*(a.astype(given) for a in (q, k, v)), scale=np.float32(q.shape[-1] ** -0.5), causal=causal)
+    operands = [a.astype(given) for a in (q, k, v)] + ([key_mask.astype(bool)] if key_mask is not None else [])
+    return call(*operands, scale=np.float32(q.shape[-1] ** -0.5), causal=causal)
 
 
 def conv(
