@@ -171,7 +171,8 @@ def tokenize_chunks(
     chunk_length = length - 2
     start, end = tok.bos_token_id, tok.eos_token_id
     pad = end if tok.pad_token_id is None else tok.pad_token_id
-    comma = tok.get_vocab().get(",</w>")
+    comma = tok.convert_tokens_to_ids(",</w>")  # one lookup, not the 49,408-entry vocabulary copied per prompt
+    comma = None if comma == tok.unk_token_id else comma
     runs = parse_prompt_attention(text) if emphasis else [(text, 1.0)]
     with getattr(tokenizer, "lock", contextlib.nullcontext()):  # `loading.Tokenizer`: one call at a time
         tokenized = tok([t for t, _ in runs], add_special_tokens=False, truncation=False, verbose=False).input_ids
