@@ -596,6 +596,22 @@ def test_a_matmuls_activation_runs_on_its_f32_sums_inside_the_product(kernels, a
     np.testing.assert_allclose(rounded.astype(jnp.float32), want, rtol=2**-8, atol=1e-3)  # rounded once
 
 
+@pytest.mark.parametrize("factor_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_matmul_multiplies_its_activated_sums_by_a_factor_inside_the_product(kernels, factor_dtype):
+    """SwiGLU's silu(gate x) * up x (Z-Image's and Qwen3's MLPs): the factor, of the output's shape, multiplies the
+    activated f32 sums before their rounding; and without an activation, the plain sums."""
+    x = jax.random.normal(jax.random.key(0), (2, 40, 256)) * 2
+    kernel = (jax.random.normal(jax.random.key(1), (256, 384)) * 0.1).astype(jnp.bfloat16)
+    factor = jax.random.normal(jax.random.key(3), (2, 40, 384)).astype(factor_dtype)
+    sums = jnp.matmul(exact(x), kernel.astype(jnp.float32), precision="highest")
+    for activation in ("silu", None):
+        want = (layers.ACTIVATIONS[activation](sums) if activation else sums) * factor.astype(jnp.float32)
+        got = jax.jit(lambda x, f, a=activation: onednn.matmul(x, kernel, None, jnp.float32, a, f))(x, factor)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="output's shape"):
+        onednn.matmul(x, kernel, None, jnp.float32, "silu", factor[:, :20])
+
+
 @pytest.mark.parametrize("hidden_act", ["quick_gelu", "gelu"])
 def test_the_bf16_text_encoder_with_its_attention_and_gelu_in_onednn_is_its_f32_self_to_bf16_rounding(
     kernels, hidden_act

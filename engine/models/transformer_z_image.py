@@ -215,7 +215,7 @@ class FeedForward(nnx.Module):
         self.w3 = linear(dim, hidden, rngs, bias=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.w1(x, activation="silu", times=self.w3(x)))  # one write of silu(w1 x) * w3 x on oneDNN
 
 
 class ZImageTransformerBlock(nnx.Module):

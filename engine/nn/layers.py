@@ -52,6 +52,7 @@ ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "silu": jax.nn.silu,
 }
 
 
@@ -59,18 +60,20 @@ class Linear(nnx.Linear):
     """`nnx.Linear`, whose parameters and numbers it keeps; a bf16 kernel on the CPU runs in oneDNN (onednn.py), a
     quantized one (`int8.QuantizedKernel`, `--quantize w8a8`) in int8 (int8.py)."""
 
-    def __call__(self, x: jax.Array, activation: str | None = None) -> jax.Array:
-        """x @ kernel + bias, then `activation` (an ACTIVATIONS name) where given: inside oneDNN's product on the bf16
-        CPU path (its f32 sums, rounded once), after it elsewhere."""
+    def __call__(self, x: jax.Array, activation: str | None = None, times: jax.Array | None = None) -> jax.Array:
+        """x @ kernel + bias, then `activation` (an ACTIVATIONS name) and the product by `times` (an array of the
+        output's shape: SwiGLU's up projection) where given: inside oneDNN's product on the bf16 CPU path (its f32
+        sums, rounded once), after it elsewhere."""
         kernel = self.kernel.get_value()
         bias = self.bias[...] if self.bias is not None else None
         if isinstance(kernel, int8.QuantizedKernel):
             out = int8.matmul(x, kernel, bias)
         elif onednn.serves(kernel.dtype):
-            return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype), activation)
+            return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype), activation, times)
         else:
             out = super().__call__(x)
-        return ACTIVATIONS[activation](out) if activation else out
+        out = ACTIVATIONS[activation](out) if activation else out
+        return out * times if times is not None else out
 
 
 def linear(in_features: int, out_features: int, rngs: nnx.Rngs, bias: bool = True) -> Linear:

@@ -112,29 +112,32 @@ dnnl::primitive_attr attr_for(const After& after, const memory::desc& added) {
 // The activation a matmul applies to its f32 sums (bias added) before rounding them to its output dtype, as a post-op:
 // the transformer MLPs' first layer, whose output is then written once and rounded once (the SD-Turbo text encoder's
 // 23 GELUs no longer a pass of XLA's over [77, 4096] each: 91 -> 86 ms on 2 Xeon cores with AMX). The numbers are
-// onednn.py's ACTIVATIONS.
-enum class Activation : int64_t { kNone = 0, kGeluErf = 1, kGeluTanh = 2, kQuickGelu = 3 };
+// onednn.py's ACTIVATION_CODES. Then, where the call has a multiplier (an operand of the output's shape, bf16 or f32),
+// the product by it, a post-op too: SwiGLU's silu(gate x) * up x in one write (Z-Image's and Qwen3's MLPs).
+enum class Activation : int64_t { kNone = 0, kGeluErf = 1, kGeluTanh = 2, kQuickGelu = 3, kSilu = 4 };
 
 bool activation_of(int64_t code, Activation* out) {
-  if (code < 0 || code > 3) return false;
+  if (code < 0 || code > 4) return false;
   *out = Activation(code);
   return true;
 }
 
-dnnl::primitive_attr matmul_attr(Activation activation) {
+dnnl::primitive_attr matmul_attr(Activation activation, const memory::desc* multiplier) {
   dnnl::primitive_attr attr = own_scratchpad();
-  if (activation == Activation::kNone) return attr;
-  // quick_gelu, x * sigmoid(1.702 x), is oneDNN's swish with alpha 1.702.
-  const dnnl::algorithm algorithm = activation == Activation::kGeluErf    ? dnnl::algorithm::eltwise_gelu_erf
-                                    : activation == Activation::kGeluTanh ? dnnl::algorithm::eltwise_gelu_tanh
-                                                                          : dnnl::algorithm::eltwise_swish;
-  const float alpha = activation == Activation::kQuickGelu ? 1.702f : 0.f;
   dnnl::post_ops ops;
+  if (activation != Activation::kNone) {
+    // quick_gelu, x * sigmoid(1.702 x), is oneDNN's swish with alpha 1.702; silu is swish with alpha 1.
+    const dnnl::algorithm algorithm = activation == Activation::kGeluErf    ? dnnl::algorithm::eltwise_gelu_erf
+                                      : activation == Activation::kGeluTanh ? dnnl::algorithm::eltwise_gelu_tanh
+                                                                            : dnnl::algorithm::eltwise_swish;
+    const float alpha = activation == Activation::kQuickGelu ? 1.702f : 1.f;
 #if DNNL_VERSION_MAJOR >= 3
-  ops.append_eltwise(algorithm, alpha, 0.f);
+    ops.append_eltwise(algorithm, alpha, 0.f);
 #else
-  ops.append_eltwise(1.f, algorithm, alpha, 0.f);
+    ops.append_eltwise(1.f, algorithm, alpha, 0.f);
 #endif
+  }
+  if (multiplier) ops.append_binary(dnnl::algorithm::binary_mul, *multiplier);
   attr.set_post_ops(ops);
   return attr;
 }
@@ -236,13 +239,16 @@ std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc&
   });
 }
 
+// `times`: the multiplier's dtype, where the call has one.
 Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst,
-                   Activation activation) {
-  return cached(matmuls, key_of({m, k, n, int64_t(src), int64_t(dst), int64_t(activation)}), [&] {
+                   Activation activation, const memory::data_type* times) {
+  const int64_t times_code = times ? 1 + int64_t(*times) : 0;
+  return cached(matmuls, key_of({m, k, n, int64_t(src), int64_t(dst), int64_t(activation), times_code}), [&] {
     memory::desc x({m, k}, src, tag::ab), w({k, n}, src, tag::ab), b({1, n}, memory::data_type::f32, tag::ab),
         y({m, n}, dst, tag::ab);
     memory::desc w_any({k, n}, src, tag::any);
-    const dnnl::primitive_attr attr = matmul_attr(activation);
+    const memory::desc multiplier = times ? memory::desc({m, n}, *times, tag::ab) : memory::desc();
+    const dnnl::primitive_attr attr = matmul_attr(activation, times ? &multiplier : nullptr);
     auto pd = matmul_pd(x, w, &b, y, attr), kept_pd = matmul_pd(x, w_any, &b, y, attr);
     return new Matmul{pd, dnnl::matmul(pd), kept_pd, dnnl::matmul(kept_pd)};
   });
@@ -288,8 +294,8 @@ bool after_of(const ffi::RemainingArgs& rest, const ffi::AnyBuffer& out, bool re
   return true;
 }
 
-ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                      int64_t activation_code) {
+ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bias, ffi::RemainingArgs rest,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t activation_code) {
   memory::data_type src, dst;
   if (!dtype_of(x.element_type(), &src) || !dtype_of(out->element_type(), &dst) ||
       kernel.element_type() != x.element_type() || bias.element_type() != ffi::DataType::F32)
@@ -302,9 +308,20 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
     return ffi::Error::InvalidArgument("onednn_matmul takes x [M, K], kernel [K, N], bias [N] and gives [M, N]");
   Activation activation;
   if (!activation_of(activation_code, &activation))
-    return ffi::Error::InvalidArgument("onednn_matmul's activation is 0 (none), 1 (GELU), 2 (tanh GELU) or 3 (quick GELU)");
+    return ffi::Error::InvalidArgument(
+        "onednn_matmul's activation is 0 (none), 1 (GELU), 2 (tanh GELU), 3 (quick GELU) or 4 (SiLU)");
+  // The optional multiplier, its one remaining operand: [M, N], bf16 or f32.
+  void* times = nullptr;
+  memory::data_type times_type = memory::data_type::f32;
+  if (rest.size() > 0) {
+    auto given = rest.get<ffi::AnyBuffer>(0);
+    if (rest.size() != 1 || !given.has_value() || int64_t(given->element_count()) != m * n ||
+        !dtype_of(given->element_type(), &times_type))
+      return ffi::Error::InvalidArgument("onednn_matmul's multiplier has the output's shape, in bf16 or f32");
+    times = given->untyped_data();
+  }
   try {
-    Matmul* mm = matmul_for(m, k, n, src, dst, activation);
+    Matmul* mm = matmul_for(m, k, n, src, dst, activation, times ? &times_type : nullptr);
     dnnl::stream stream(cpu());
     // A pinned kernel runs in oneDNN's own layout, reordered once; any other as it is (oneDNN then copies it into
     // blocks on every call).
@@ -317,9 +334,12 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
         wm(pd.weights_desc(), cpu(), weights ? weights.get() : kernel.untyped_data()),
         bm(pd.bias_desc(), cpu(), bias.untyped_data()), ym(pd.dst_desc(), cpu(), out->untyped_data());
     memory scratch = scratchpad(pd.scratchpad_desc());
-    (weights ? mm->kept_primitive : mm->primitive)
-        .execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm}, {DNNL_ARG_DST, ym},
-                          {DNNL_ARG_SCRATCHPAD, scratch}});
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_BIAS, bm},
+                                         {DNNL_ARG_DST, ym}, {DNNL_ARG_SCRATCHPAD, scratch}};
+    if (times)  // the last post-op: after the activation where there is one
+      args[DNNL_ARG_ATTR_MULTIPLE_POST_OP(activation == Activation::kNone ? 0 : 1) | DNNL_ARG_SRC_1] =
+          memory(memory::desc({m, n}, times_type, tag::ab), cpu(), times);
+    (weights ? mm->kept_primitive : mm->primitive).execute(stream, args);
     stream.wait();
   } catch (const dnnl::error& e) {
     return failed(e.what());
@@ -495,6 +515,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("activation"));
 

@@ -334,19 +334,31 @@ def _residual(add: jax.Array | None, shape: tuple[int, ...]) -> tuple[jax.Array,
 
 
 # The activations a matmul applies to its f32 sums as a post-op (onednn.cc's `Activation`), by layers.ACTIVATIONS' names.
-ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "silu": 4}
 
 
 def matmul(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, out_dtype, activation: str | None = None
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    out_dtype,
+    activation: str | None = None,
+    times: jax.Array | None = None,
 ) -> jax.Array:
-    """activation(x [..., K] @ kernel [K, N] + bias [N]) -> [..., N] in out_dtype; x is cast to the kernel's dtype.
-    `activation`: one of ACTIVATION_CODES' names, computed on the f32 sums before their rounding to out_dtype."""
+    """activation(x [..., K] @ kernel [K, N] + bias [N]) * times -> [..., N] in out_dtype; x is cast to the kernel's
+    dtype. `activation`: one of ACTIVATION_CODES' names, and `times` (of the output's shape, bf16 or f32) a factor,
+    both applied to the f32 sums as post-ops before their rounding to out_dtype."""
     k, n = kernel.shape
     flat = x.reshape(-1, k).astype(kernel.dtype)
     call = jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((flat.shape[0], n), out_dtype), vmap_method="sequential")
     code = np.int64(ACTIVATION_CODES[activation])
-    return call(flat, kernel, _bias(bias, n), activation=code).reshape(*x.shape[:-1], n)
+    operands = [flat, kernel, _bias(bias, n)]
+    if times is not None:
+        if times.shape != (*x.shape[:-1], n):
+            raise ValueError(f"a matmul's multiplier has its output's shape {(*x.shape[:-1], n)}, not {times.shape}")
+        factor_dtype = times.dtype if times.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+        operands.append(times.reshape(-1, n).astype(factor_dtype))
+    return call(*operands, activation=code).reshape(*x.shape[:-1], n)
 
 
 def attention(
