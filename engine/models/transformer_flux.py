@@ -259,8 +259,7 @@ class FluxSingleTransformerBlock(nnx.Module):
     def __call__(self, x: jax.Array, temb: jax.Array, rope: Rope) -> jax.Array:
         shift, scale, gate = self.norm(temb)
         h = modulate(x, shift, scale)
-        mlp = self.proj_mlp(h)
-        mlp = jax.nn.gelu(mlp.astype(jnp.float32), approximate=True).astype(mlp.dtype)  # as dit.GELUProj
+        mlp = self.proj_mlp(h, activation="gelu_tanh")  # as dit.GELUProj
         both = jnp.concatenate([self.attn(h, rope), mlp], axis=-1)  # [batch, tokens, inner + mlp]
         return x + gate[:, None] * self.proj_out(both)  # no fp16 clip needed: see FluxTransformerBlock
 

@@ -72,7 +72,8 @@ class Linear(nnx.Linear):
             return onednn.matmul(x, kernel, bias, jnp.result_type(x.dtype, kernel.dtype), activation, times)
         else:
             out = super().__call__(x)
-        out = ACTIVATIONS[activation](out) if activation else out
+        # in f32 and rounded once, as torch's kernels compute a bf16 or f16 activation
+        out = ACTIVATIONS[activation](out.astype(jnp.float32)).astype(out.dtype) if activation else out
         return out * times if times is not None else out
 
 
