@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "attention_amx.h"
@@ -136,12 +137,17 @@ void zero_masked_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, co
       for (int64_t r = 0; r < rows; ++r) weights[r * stride + j] = 0;
 }
 
+// Whether a key mask allows any of `keys` keys from `first_key`.
+bool any_visible(const uint8_t* mask, int64_t first_key, int64_t keys) {
+  return std::any_of(mask + first_key, mask + first_key + keys, [](uint8_t v) { return v != 0; });
+}
+
 // Per image, whether its key mask allows no key at all (none where there is no mask).
 std::vector<char> no_visible_key(const uint8_t* mask, int64_t b, int64_t m) {
   std::vector<char> none(b, 0);
   if (mask)
     for (int64_t image = 0; image < b; ++image)
-      none[image] = std::all_of(mask + image * m, mask + (image + 1) * m, [](uint8_t v) { return v == 0; });
+      none[image] = !any_visible(mask + image * m, 0, m);
   return none;
 }
 
@@ -186,12 +192,16 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
       std::fill(tops, tops + 16, -std::numeric_limits<float>::infinity());
       std::fill(sums, sums + 16, 0.f);
       const int64_t first = row0 + g;  // the group's first query
+      const uint8_t* mask = key_mask ? key_mask + image * m : nullptr;
+      bool started = false;  // whether a chunk has written `total`
       for (int64_t c = 0; c < chunks; ++c) {
         if (causal && c * chunk > first + count - 1) break;  // keys none of the group's queries sees
         const int64_t keys = std::min(chunk, m - c * chunk);
+        if (mask && !none_visible[image] && !any_visible(mask, c * chunk, keys))
+          continue;  // a chunk of masked keys only: nothing to add, and no maximum of -inf to rescale from
         amx_logits(queries, d, keys_values, m, c, logits);
         if (causal) hide_later_keys(logits, count, chunk, keys, first, c * chunk);
-        if (key_mask) hide_masked_keys(logits, count, chunk, keys, key_mask + image * m, c * chunk, none_visible[image]);
+        if (mask) hide_masked_keys(logits, count, chunk, keys, mask, c * chunk, none_visible[image]);
         if (keys == chunk) {
           softmax_rows(logits, weights, tops, sums, rescale, count, keys, scale);
         } else {  // rows of `keys` logits `chunk` apart, the weights past them left 0
@@ -200,9 +210,9 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
           for (int64_t r = 0; r < count; ++r) std::memset(weights + r * chunk + keys, 0, (chunk - keys) * 2);
         }
         if (causal) zero_later_keys(weights, count, chunk, keys, first, c * chunk);
-        if (key_mask && !none_visible[image]) zero_masked_keys(weights, count, chunk, keys, key_mask + image * m, c * chunk);
-        amx_weighted_sum(weights, d, keys_values, m, c, c == 0 ? total : result);
-        if (c > 0)  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
+        if (mask && !none_visible[image]) zero_masked_keys(weights, count, chunk, keys, mask, c * chunk);
+        amx_weighted_sum(weights, d, keys_values, m, c, started ? result : total);
+        if (std::exchange(started, true))  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
           for (int64_t r = 0; r < count; ++r)
             for (int64_t i = 0; i < d; ++i)
               total[r * width + i] = total[r * width + i] * rescale[r] + result[r * width + i];
