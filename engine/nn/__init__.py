@@ -4,7 +4,7 @@
 `Transformer2DModel`'s pieces) and `attention.py` the backend's best attention path (query blocks on a CPU,
 cuDNN's fused attention on a GPU, Pallas flash attention on a TPU); `dit.py` the pieces of the diffusion
 transformers (adaLN modulation, q/k RMS norm, the tanh-GELU feed-forward, timestep + pooled-text conditioning);
-`onednn.py` (with its C++ handlers, `onednn.cc` and `attention.cc`, attention's AMX tile products,
+`onednn.py` (with its C++ handlers, `onednn.cc`, `kept.cc` and `attention.cc`, attention's AMX tile products,
 `attention_amx.cc`, and our own vector loops, `cpu_loops.cc`) the
 CPU's bf16 matrix products, convolutions (upsampling ones as four phase convolutions) and attention in oneDNN,
 GroupNorm + SiLU and GEGLU's gate, which `Linear`, `Conv`, `GroupNorm`, `GEGLU` and `attention.py` call where they

@@ -82,7 +82,7 @@ ffi::Error Int8ConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::Result<ffi
     memory wm = given;
     std::shared_ptr<void> weights;  // a pinned kernel's, reordered once and held while this call reads it
     if (c->pd.weights_desc() != c->given_kernel) {
-      weights = kept_reordered(kernel.untyped_data(), kernel.size_bytes(), c->given_kernel, c->pd.weights_desc(),
+      weights = kept(kernel.untyped_data(), kernel.size_bytes(), c->given_kernel, c->pd.weights_desc(),
                                stream);
       wm = memory(c->pd.weights_desc(), cpu(),
                   weights ? weights.get() : int8_kernel_buffer.at_least(c->pd.weights_desc().get_size()));

@@ -35,7 +35,7 @@ from .. import cpus
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("onednn.cc", "attention.cc", "attention_amx.cc", "cpu_loops.cc", "int8.cc")
+    for name in ("onednn.cc", "kept.cc", "attention.cc", "attention_amx.cc", "cpu_loops.cc", "int8.cc")
 )  # one library
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn.h", "cpu_loops.h", "attention_amx.h"))
 

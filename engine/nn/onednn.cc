@@ -1,6 +1,6 @@
-// oneDNN's matrix product and convolutions as XLA FFI handlers for the CPU's native bf16 (engine/nn/onednn.py), and
-// the pinning of their kernels; built into one library with attention.cc and cpu_loops.cc (our own vector loops:
-// attention's softmax, GroupNorm + SiLU, GEGLU); onednn.h holds what the handlers share.
+// oneDNN's matrix product and convolutions as XLA FFI handlers for the CPU's native bf16 (engine/nn/onednn.py); built
+// into one library with kept.cc (pinned kernels, reordered once), attention.cc and cpu_loops.cc (our own vector
+// loops: attention's softmax, GroupNorm + SiLU, GEGLU); onednn.h holds what the handlers share.
 //
 // Inputs are dense row-major: a matmul's x [M, K], kernel [K, N], bias [N] (f32); a convolution's x NHWC, kernel
 // HWIO (flax's layout), bias [O] (f32), out NHWC. x and the kernel share a dtype (bf16 or f32); the output's dtype is
@@ -9,14 +9,12 @@
 // oneDNN picks on every call (as PyTorch's eager bf16 convolution does) unless its buffer is pinned (`OnednnPin`),
 // when the reordered kernel is kept; the activations are used in place.
 #include <oneapi/dnnl/dnnl.hpp>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -159,85 +157,6 @@ struct Conv {
 
 std::unordered_map<std::string, std::unique_ptr<Matmul>> matmuls;
 std::unordered_map<std::string, std::unique_ptr<Conv>> convs;
-
-// Kernels reordered once. A convolution's kernel arrives as HWIO and oneDNN wants its own blocked layout; the
-// reorder costs as much memory traffic as the convolution's own read of the kernel (SD-Turbo's UNet: 0.1 s of a
-// 1.2 s step). A kernel is reordered once and kept only where its buffer was pinned (`OnednnPin`): the caller
-// holds that array alive and unchanged until it unpins it, so the address and byte size name its contents.
-std::mutex packed_lock;
-std::unordered_map<const void*, size_t> pinned;  // buffer -> its byte size
-struct Reordered {
-  memory::desc layout;
-  int variant;  // 0: the kernel itself; else one derived from it (an upsampling convolution's phase kernels)
-  std::shared_ptr<void> data;
-};
-// buffer -> its reordered copies, one per layout asked for (shapes that pick the same layout share one)
-std::unordered_map<const void*, std::vector<Reordered>> packed;
-
-std::shared_ptr<void> aligned_block(size_t size) {
-  return std::shared_ptr<void>(std::aligned_alloc(64, (std::max<size_t>(size, 64) + 63) / 64 * 64), std::free);
-}
-
-constexpr size_t kHugePage = size_t(2) << 20, kPage = 4096;
-
-size_t whole_pages(size_t size) { return (size + kPage - 1) / kPage * kPage; }
-
-// A kept kernel's block: where it spans a 2 MB page, its own mapping starting on a 2 MB boundary, which
-// `advise_huge_pages` marks for transparent huge pages once filled. Why: a step reads every kept kernel once, from
-// memory (SD-Turbo's UNet 1.7 GB, its text encoder 0.6 GB), and with 4 KB pages each 4 KB costs a TLB miss, a
-// two-level page walk in a VM. Measured on 2 cores of an Intel Xeon VM with AMX, the blocks advised from the start:
-// the text encoder's 77-row products 93 -> 63 ms a picture; but the first picture after a start then took 6.8 s
-// instead of 5.1 (the fill's page faults compacting memory for 2 MB pages), so the advice waits for the fill and
-// khugepaged collapses the pages in the background. The tail past the last whole 2 MB stays in 4 KB pages, so
-// nothing is rounded up; smaller kernels keep `aligned_block`, as does a block whose mapping fails.
-std::shared_ptr<void> kept_block(size_t size) {
-  if (size < kHugePage) return aligned_block(size);
-  const size_t length = whole_pages(size);
-  void* mapped = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mapped == MAP_FAILED) return aligned_block(size);
-  uintptr_t start = uintptr_t(mapped), aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
-  if (aligned > start) munmap(mapped, aligned - start);
-  if (start + kHugePage > aligned) munmap(reinterpret_cast<void*>(aligned + length), start + kHugePage - aligned);
-  void* block = reinterpret_cast<void*>(aligned);
-  return std::shared_ptr<void>(block, [length](void* p) { munmap(p, length); });
-}
-
-// Advises transparent huge pages for a filled kept block from `kept_block`'s own mapping (2 MB-aligned, at least
-// 2 MB): the kernel's khugepaged then moves its 4 KB pages into 2 MB ones in the background. Advised before the
-// fill, the fill's page faults would compact memory for 2 MB pages on the spot.
-void advise_huge_pages(void* block, size_t size) {
-  if (size >= kHugePage && uintptr_t(block) % kHugePage == 0)
-    madvise(block, whole_pages(size), MADV_HUGEPAGE);  // advice only: refused, nothing changes
-}
-
-// The kernel at `buffer` (`bytes` long) in the layout `want`, written by `fill` the first time this layout (and
-// `variant`: 0 for the kernel itself, else a kernel derived from it) is asked for and kept; null where the buffer is
-// not pinned, and the caller prepares it itself.
-std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& want, int variant,
-                           const std::function<void(memory&)>& fill) {
-  std::lock_guard<std::mutex> guard(packed_lock);  // held through a first fill only: once per pinned kernel
-  auto pin = pinned.find(buffer);
-  if (pin == pinned.end() || pin->second != bytes) return nullptr;
-  auto& copies = packed[buffer];
-  for (const Reordered& copy : copies)
-    if (copy.layout == want && copy.variant == variant) return copy.data;
-  auto block = kept_block(want.get_size());
-  memory to(want, cpu(), block.get());
-  fill(to);
-  advise_huge_pages(block.get(), want.get_size());
-  copies.push_back(Reordered{want, variant, block});
-  return block;
-}
-
-// The kernel at `buffer` reordered from `given` into `want`, kept where the buffer is pinned (else null).
-std::shared_ptr<void> kept(const void* buffer, size_t bytes, const memory::desc& given, const memory::desc& want,
-                           dnnl::stream& stream) {
-  return kept(buffer, bytes, want, 0, [&](memory& to) {
-    memory from(given, cpu(), const_cast<void*>(buffer));
-    dnnl::reorder(from, to).execute(stream, from, to);
-    stream.wait();
-  });
-}
 
 // `times`: the multiplier's dtype, where the call has one.
 Matmul* matmul_for(int64_t m, int64_t k, int64_t n, memory::data_type src, memory::data_type dst,
@@ -472,43 +391,9 @@ ffi::Error UpsampleConvImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuf
 
 }  // namespace
 
-namespace jax_sd {
-
-std::shared_ptr<void> kept_reordered(const void* buffer, size_t bytes, const memory::desc& given,
-                                     const memory::desc& want, dnnl::stream& stream) {
-  return kept(buffer, bytes, given, want, stream);
-}
-
-}  // namespace jax_sd
-
-// The caller promises that each of these `count` buffers (with its byte size) stays allocated and unchanged until
-// it unpins it: the convolution and matmul kernels they hold are kept reordered from their first call on.
-extern "C" void OnednnPin(const void* const* buffers, const int64_t* sizes, int64_t count) {
-  std::lock_guard<std::mutex> guard(packed_lock);
-  for (int64_t i = 0; i < count; ++i) pinned[buffers[i]] = size_t(sizes[i]);
-}
-
-// Forgets these buffers and frees their reordered kernels (a call still reading one keeps it until it returns).
-extern "C" void OnednnUnpin(const void* const* buffers, int64_t count) {
-  std::lock_guard<std::mutex> guard(packed_lock);
-  for (int64_t i = 0; i < count; ++i) {
-    pinned.erase(buffers[i]);
-    packed.erase(buffers[i]);
-  }
-}
-
 // The instruction set oneDNN's kernels dispatch to in this process (dnnl_cpu_isa_t's bits: 0x7 AVX2, 0x27
 // AVX-512, ...), after ONEDNN_MAX_CPU_ISA's cap: what the cap's test asks of the library it loaded.
 extern "C" int64_t OnednnEffectiveIsa() { return int64_t(dnnl::get_effective_cpu_isa()); }
-
-// Bytes held by reordered kernels: what pinning costs.
-extern "C" int64_t OnednnPackedBytes() {
-  std::lock_guard<std::mutex> guard(packed_lock);
-  int64_t total = 0;
-  for (auto& [buffer, copies] : packed)
-    for (const Reordered& copy : copies) total += int64_t(copy.layout.get_size());
-  return total;
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnMatmul, MatmulImpl,
                               ffi::Ffi::Bind()

@@ -1,11 +1,12 @@
-// What the oneDNN handlers share (onednn.cc: matrix products, convolutions, pinning; attention.cc): the CPU engine,
-// per-thread reusable buffers, scratchpads, the cache of primitives built once per shape.
+// What the oneDNN handlers share (onednn.cc: matrix products, convolutions; kept.cc: pinned kernels; attention.cc;
+// int8.cc): the CPU engine, per-thread reusable buffers, scratchpads, the cache of primitives built once per shape.
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -60,9 +61,18 @@ dnnl::matmul::primitive_desc matmul_pd(const dnnl::memory::desc& x, const dnnl::
 
 xla::ffi::Error failed(const char* what);
 
-// The kernel at `buffer` (`bytes` long, laid out as `given`) in the layout `want`: reordered at its first call and
-// kept where the buffer is pinned (`OnednnPin`), else null (the caller reorders it into a buffer of its own).
-std::shared_ptr<void> kept_reordered(const void* buffer, size_t bytes, const dnnl::memory::desc& given,
-                                     const dnnl::memory::desc& want, dnnl::stream& stream);
+// kept.cc. `size` bytes (at least 64), 64-byte aligned, freed with the last copy of the pointer.
+std::shared_ptr<void> aligned_block(size_t size);
+
+// The kernel at `buffer` (`bytes` long) in the layout `want`, written by `fill` the first time this layout
+// (and `variant`: 0 for the kernel itself, else a kernel derived from it) is asked for and kept; null where the buffer
+// is not pinned (`OnednnPin`), and the caller prepares it itself.
+std::shared_ptr<void> kept(const void* buffer, size_t bytes, const dnnl::memory::desc& want, int variant,
+                           const std::function<void(dnnl::memory&)>& fill);
+
+// The kernel at `buffer` (laid out as `given`) reordered into `want` at its first call and kept where the buffer is
+// pinned, else null (the caller reorders it into a buffer of its own).
+std::shared_ptr<void> kept(const void* buffer, size_t bytes, const dnnl::memory::desc& given,
+                           const dnnl::memory::desc& want, dnnl::stream& stream);
 
 }  // namespace jax_sd

@@ -12,7 +12,7 @@ transformer blocks' exact-GELU gate). `upsample_conv` runs a nearest 2x upsampli
 2x2 convolutions over the small input (`layers.Conv.upsampled`). A server `pin`s its params: their kernels are then
 reordered into oneDNN's layout once, at their first call, instead of at every call.
 
-The handlers (`onednn.cc`, `attention.cc`, `cpu_loops.cc`, `int8.cc`) are built by `kernel_build.py` (once per
+The handlers (`onednn.cc`, `kept.cc`, `attention.cc`, `cpu_loops.cc`, `int8.cc`) are built by `kernel_build.py` (once per
 source, jaxlib, oneDNN and compiler, into JAX_SD_KERNEL_DIR) and loaded here. ONEDNN_MAX_CPU_ISA caps the instructions oneDNN
 uses, and what this module takes the CPU to have (`vector_isa`, `native_bf16`): capped to AVX2, an AVX-512 machine
 runs as the AVX2 class does. They are built where a network would use them
