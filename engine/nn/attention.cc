@@ -100,42 +100,38 @@ void fill_nan(void* op, bool bf16_out, int64_t at, int64_t rows, int64_t stride,
     }
 }
 
-// Causal attention (`causal`, the text encoders' self-attention, as many keys as queries): query i sees keys 0..i. In
-// `rows` rows of logits `stride` apart, the first query `first_query` and the first key `first_key`, the logits of the
-// keys a row may not see become -inf, so that they count for nothing in its maximum.
-void hide_later_keys(float* logits, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = std::max<int64_t>(0, first_query + r + 1 - first_key); j < keys; ++j)
-      logits[r * stride + j] = -std::numeric_limits<float>::infinity();
-}
+// The keys a query may not see. Under `causal` (the text encoders' self-attention, as many keys as queries) query i
+// sees keys 0..i; under a key mask (`key_mask` [B, M], true where a key may be attended: Z-Image's padded captions)
+// the image's masked keys are seen by none. `hide` makes their logits -inf before the softmax, so that they count for
+// nothing in a row's maximum; `zero` then makes their weights 0 (the softmax's exponentials stop at 2^-126, never 0;
+// what they added to a row's sum is at most keys x 2^-126). Where an image's mask allows no key at all, `hide` makes
+// every logit 0 instead and `zero` leaves them: uniform weights over all keys, which is what the plain formulation
+// gives (every logit the same lowest number). Both take `rows` rows `stride` apart over `keys` keys, the first row
+// query `first_query`, the first column key `first_key`.
+struct Unseen {
+  bool causal = false;
+  const uint8_t* mask = nullptr;  // the image's [M], or null
+  bool none_visible = false;      // its mask allows no key
 
-// Then their weights 0 (the softmax's exponentials stop at 2^-126, never 0; what they added to a row's sum is at most
-// keys x 2^-126).
-template <typename T>
-void zero_later_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = std::max<int64_t>(0, first_query + r + 1 - first_key); j < keys; ++j) weights[r * stride + j] = 0;
-}
+  bool seen(int64_t query, int64_t key) const { return (!causal || key <= query) && (!mask || mask[key]); }
 
-// A key mask (`key_mask` [B, M], true where a key may be attended: Z-Image's padded captions). In `rows` rows of
-// logits `stride` apart over the keys from `first_key`, `keys` of them, the image's masked keys' logits become -inf;
-// where its mask allows no key at all, every logit is 0 instead: uniform weights over all keys, which is what the plain
-// formulation gives (every logit the same lowest number).
-void hide_masked_keys(float* logits, int64_t rows, int64_t stride, int64_t keys, const uint8_t* mask, int64_t first_key,
-                      bool none_visible) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < keys; ++j)
-      if (none_visible) logits[r * stride + j] = 0.f;
-      else if (!mask[first_key + j]) logits[r * stride + j] = -std::numeric_limits<float>::infinity();
-}
+  void hide(float* logits, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) const {
+    if (!causal && !mask) return;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < keys; ++j)
+        if (none_visible) logits[r * stride + j] = 0.f;
+        else if (!seen(first_query + r, first_key + j))
+          logits[r * stride + j] = -std::numeric_limits<float>::infinity();
+  }
 
-// Then the masked keys' weights 0 (where any key is visible), as `zero_later_keys`.
-template <typename T>
-void zero_masked_keys(T* weights, int64_t rows, int64_t stride, int64_t keys, const uint8_t* mask, int64_t first_key) {
-  for (int64_t j = 0; j < keys; ++j)
-    if (!mask[first_key + j])
-      for (int64_t r = 0; r < rows; ++r) weights[r * stride + j] = 0;
-}
+  template <typename T>
+  void zero(T* weights, int64_t rows, int64_t stride, int64_t keys, int64_t first_query, int64_t first_key) const {
+    if ((!causal && !mask) || none_visible) return;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < keys; ++j)
+        if (!seen(first_query + r, first_key + j)) weights[r * stride + j] = 0;
+  }
+};
 
 // Whether a key mask allows any of `keys` keys from `first_key`.
 bool any_visible(const uint8_t* mask, int64_t first_key, int64_t keys) {
@@ -192,16 +188,15 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
       std::fill(tops, tops + 16, -std::numeric_limits<float>::infinity());
       std::fill(sums, sums + 16, 0.f);
       const int64_t first = row0 + g;  // the group's first query
-      const uint8_t* mask = key_mask ? key_mask + image * m : nullptr;
+      const Unseen unseen{causal, key_mask ? key_mask + image * m : nullptr, none_visible[image] != 0};
       bool started = false;  // whether a chunk has written `total`
       for (int64_t c = 0; c < chunks; ++c) {
         if (causal && c * chunk > first + count - 1) break;  // keys none of the group's queries sees
         const int64_t keys = std::min(chunk, m - c * chunk);
-        if (mask && !none_visible[image] && !any_visible(mask, c * chunk, keys))
+        if (unseen.mask && !unseen.none_visible && !any_visible(unseen.mask, c * chunk, keys))
           continue;  // a chunk of masked keys only: nothing to add, and no maximum of -inf to rescale from
         amx_logits(queries, d, keys_values, m, c, logits);
-        if (causal) hide_later_keys(logits, count, chunk, keys, first, c * chunk);
-        if (mask) hide_masked_keys(logits, count, chunk, keys, mask, c * chunk, none_visible[image]);
+        unseen.hide(logits, count, chunk, keys, first, c * chunk);
         if (keys == chunk) {
           softmax_rows(logits, weights, tops, sums, rescale, count, keys, scale);
         } else {  // rows of `keys` logits `chunk` apart, the weights past them left 0
@@ -209,10 +204,9 @@ ffi::Error amx_attention(const uint16_t* qp, const uint16_t* kp, const uint16_t*
             softmax_rows(logits + r * chunk, weights + r * chunk, tops + r, sums + r, rescale + r, 1, keys, scale);
           for (int64_t r = 0; r < count; ++r) std::memset(weights + r * chunk + keys, 0, (chunk - keys) * 2);
         }
-        if (causal) zero_later_keys(weights, count, chunk, keys, first, c * chunk);
-        if (mask && !none_visible[image]) zero_masked_keys(weights, count, chunk, keys, mask, c * chunk);
+        unseen.zero(weights, count, chunk, keys, first, c * chunk);
         amx_weighted_sum(weights, d, keys_values, m, c, started ? result : total);
-        if (std::exchange(started, true))  // the earlier chunks' weighted sum, its maximum having grown, plus this chunk's
+        if (std::exchange(started, true))  // the earlier chunks' sum, its maximum having grown, plus this chunk's
           for (int64_t r = 0; r < count; ++r)
             for (int64_t i = 0; i < d; ++i)
               total[r * width + i] = total[r * width + i] * rescale[r] + result[r * width + i];
@@ -336,17 +330,14 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         p->logits.execute(stream, {{DNNL_ARG_SRC, qm}, {DNNL_ARG_WEIGHTS, km}, {DNNL_ARG_DST, lm},
                                    {DNNL_ARG_SCRATCHPAD, s1}});
       }
-      const uint8_t* mask = key_mask ? key_mask + image * m : nullptr;
-      if (causal) hide_later_keys(logits, rows, m, m, row0, 0);
-      if (mask) hide_masked_keys(logits, rows, m, m, mask, 0, none_visible[image]);
+      const Unseen unseen{causal, key_mask ? key_mask + image * m : nullptr, none_visible[image] != 0};
+      unseen.hide(logits, rows, m, m, row0, 0);
       if (f32) softmax_rows_f32(logits, sums.data(), rows, m, scale);
       else
         softmax_rows(logits, static_cast<uint16_t*>(weights), tops.data(), sums.data(), rescale.data(), rows, m,
                      scale);
-      if (causal && f32) zero_later_keys(logits, rows, m, m, row0, 0);
-      else if (causal) zero_later_keys(static_cast<uint16_t*>(weights), rows, m, m, row0, 0);
-      if (mask && !none_visible[image] && f32) zero_masked_keys(logits, rows, m, m, mask, 0);
-      else if (mask && !none_visible[image]) zero_masked_keys(static_cast<uint16_t*>(weights), rows, m, m, mask, 0);
+      if (f32) unseen.zero(logits, rows, m, m, row0, 0);  // the weights are the logits, in place
+      else unseen.zero(static_cast<uint16_t*>(weights), rows, m, m, row0, 0);
       memory wm(p->out_pd.src_desc(), cpu(), weights), vm(p->out_pd.weights_desc(), cpu(), kv + k_size),
           om(p->out_pd.dst_desc(), cpu(), result), s2 = scratchpad(p->out_pd.scratchpad_desc());
       p->out.execute(stream, {{DNNL_ARG_SRC, wm}, {DNNL_ARG_WEIGHTS, vm}, {DNNL_ARG_DST, om},

@@ -109,13 +109,14 @@ dnnl::primitive_attr attr_for(const After& after, const memory::desc& added) {
 
 // The activation a matmul applies to its f32 sums (bias added) before rounding them to its output dtype, as a post-op:
 // the transformer MLPs' first layer, whose output is then written once and rounded once (the SD-Turbo text encoder's
-// 23 GELUs no longer a pass of XLA's over [77, 4096] each: 91 -> 86 ms on 2 Xeon cores with AMX). The numbers are
-// onednn.py's ACTIVATION_CODES. Then, where the call has a multiplier (an operand of the output's shape, bf16 or f32),
-// the product by it, a post-op too: SwiGLU's silu(gate x) * up x in one write (Z-Image's and Qwen3's MLPs).
+// 23 GELUs no longer a pass of XLA's over [77, 4096] each: 104-107 -> 97-101 ms on 2 Xeon cores with AMX). The
+// numbers are onednn.py's ACTIVATION_CODES. Then, where the call has a multiplier (an operand of the output's shape,
+// bf16 or f32), the product by it, a post-op too: SwiGLU's silu(gate x) * up x in one write (Z-Image's and Qwen3's
+// MLPs).
 enum class Activation : int64_t { kNone = 0, kGeluErf = 1, kGeluTanh = 2, kQuickGelu = 3, kSilu = 4 };
 
 bool activation_of(int64_t code, Activation* out) {
-  if (code < 0 || code > 4) return false;
+  if (code < 0 || code > int64_t(Activation::kSilu)) return false;
   *out = Activation(code);
   return true;
 }
@@ -197,19 +198,26 @@ Conv* conv_for(const int64_t* d, memory::data_type src, memory::data_type dst, c
   });
 }
 
+// A call's optional operand of the output's size (its one remaining operand: a convolution's residual, a matmul's
+// multiplier), bf16 or f32: true where there is none (`*data` null) or one such, false otherwise.
+bool extra_operand(const ffi::RemainingArgs& rest, int64_t count, void** data, memory::data_type* type) {
+  *data = nullptr;
+  if (rest.size() == 0) return true;
+  auto given = rest.get<ffi::AnyBuffer>(0);
+  if (rest.size() != 1 || !given.has_value() || int64_t(given->element_count()) != count ||
+      !dtype_of(given->element_type(), type))
+    return false;
+  *data = given->untyped_data();
+  return true;
+}
+
 // The call's optional residual (its one remaining operand) and what to do after the product; false where the residual
 // is not of the output's size or dtype.
 bool after_of(const ffi::RemainingArgs& rest, const ffi::AnyBuffer& out, bool relu, After* after,
               void** residual) {
   after->relu = relu;
-  *residual = nullptr;
-  if (rest.size() == 0) return true;
-  auto added = rest.get<ffi::AnyBuffer>(0);
-  if (rest.size() != 1 || !added.has_value() || added->element_count() != out.element_count() ||
-      !dtype_of(added->element_type(), &after->add_type))
-    return false;
-  after->add = true;
-  *residual = added->untyped_data();
+  if (!extra_operand(rest, int64_t(out.element_count()), residual, &after->add_type)) return false;
+  after->add = *residual != nullptr;
   return true;
 }
 
@@ -229,16 +237,10 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer kernel, ffi::AnyBuffer bi
   if (!activation_of(activation_code, &activation))
     return ffi::Error::InvalidArgument(
         "onednn_matmul's activation is 0 (none), 1 (GELU), 2 (tanh GELU), 3 (quick GELU) or 4 (SiLU)");
-  // The optional multiplier, its one remaining operand: [M, N], bf16 or f32.
-  void* times = nullptr;
+  void* times;  // the optional multiplier: [M, N], bf16 or f32
   memory::data_type times_type = memory::data_type::f32;
-  if (rest.size() > 0) {
-    auto given = rest.get<ffi::AnyBuffer>(0);
-    if (rest.size() != 1 || !given.has_value() || int64_t(given->element_count()) != m * n ||
-        !dtype_of(given->element_type(), &times_type))
-      return ffi::Error::InvalidArgument("onednn_matmul's multiplier has the output's shape, in bf16 or f32");
-    times = given->untyped_data();
-  }
+  if (!extra_operand(rest, m * n, &times, &times_type))
+    return ffi::Error::InvalidArgument("onednn_matmul's multiplier has the output's shape, in bf16 or f32");
   try {
     Matmul* mm = matmul_for(m, k, n, src, dst, activation, times ? &times_type : nullptr);
     dnnl::stream stream(cpu());
